@@ -1,0 +1,42 @@
+"""The engine's settings in one frozen object (vLLM's names), checked when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine is built.
+
+    block_size: token slots per KV block, a power of two from 1 to 256.
+    num_kv_blocks / kv_cache_memory / gpu_memory_utilization: the KV capacity, taken from the first given
+        (a block count, a byte budget, or on CUDA a share of the free memory after loading; on CPU a default).
+    max_num_seqs, max_num_batched_tokens: the per-step budgets of the scheduler.
+    max_model_len: prompt plus output, at most; default the model's limit, capped by the KV capacity.
+    seed: seeds the sampler of requests that bring no seed of their own.
+    record_trace: keep a `StepRecord` of every step (what the chapters draw).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = False
+    seed: int = 0
+    record_trace: bool = True
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")

@@ -1,0 +1,93 @@
+"""The pool of physical KV blocks: which are free, and how many block tables hold each one.
+
+A block is `block_size` token slots of K and V in every layer. The pool hands out block ids, counts their
+holders (`ref_count`) and takes them back when the last holder lets go. It knows nothing of tensors.
+
+# Explained in chapters/02_paged_blocks.ipynb
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class NotEnoughBlocksError(RuntimeError):
+    """Raised when more blocks are asked for than are free (callers check `num_free_blocks` first)."""
+
+
+class BlockPool:
+    """A fixed number of physical blocks, a free queue, and a reference count per block.
+
+    The free queue is an `OrderedDict` used as an ordered set rather than a deque: blocks are taken from its
+    head and returned to its tail, so the block freed longest ago is reused first, and a block can also be
+    pulled out of the middle in O(1) (what prefix caching needs when a freed block is hit again).
+
+    Invariants:
+      - every block id in [0, num_blocks) is either in the free queue or has ref_count >= 1, never both;
+      - ref_count is never negative;
+      - num_free_blocks + num_used_blocks == num_blocks.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """The fraction of blocks held by at least one sequence."""
+        return self.num_used_blocks / self.num_blocks
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks from the head of the free queue, each with ref_count 1."""
+        if num_blocks > len(self._free):
+            raise NotEnoughBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} are free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self.ref_count[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def share(self, block_ids: Iterable[int]) -> None:
+        """Add one holder to each block (a fork: two block tables now point at it)."""
+        for block_id in block_ids:
+            assert self.ref_count[block_id] >= 1, f"cannot share free block {block_id}"
+            self.ref_count[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one holder from each block; return the blocks that became free, in the order given."""
+        freed = []
+        for block_id in block_ids:
+            assert self.ref_count[block_id] >= 1, f"double free of block {block_id}"
+            self.ref_count[block_id] -= 1
+            if self.ref_count[block_id] == 0:
+                self._free[block_id] = None
+                freed.append(block_id)
+        return freed
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next to be allocated) first."""
+        return list(self._free)
+
+    def check_invariants(self) -> None:
+        assert len(self._free) + self.num_used_blocks == self.num_blocks
+        for block_id, count in enumerate(self.ref_count):
+            assert count >= 0, f"block {block_id} has ref_count {count}"
+            assert (count == 0) == (block_id in self._free), (
+                f"block {block_id}: ref_count {count} but {'in' if block_id in self._free else 'not in'} free queue"
+            )

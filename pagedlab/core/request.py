@@ -1,0 +1,115 @@
+"""One request's state as the scheduler sees it: its tokens, how many have KV, and whether it is done.
+
+A request's tokens are its prompt followed by what it has generated. `num_computed_tokens` counts those whose
+K and V are already in the cache; the scheduler's one rule is to compute `num_tokens - num_computed_tokens`
+more. A prefill is just a request with many uncomputed tokens; a decode is one with exactly one.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pagedlab.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's `finish_reason` string, or None while the request is unfinished."""
+        return self.value if self.is_finished else None
+
+
+class Request:
+    """A request inside the engine (mutable; the scheduler and the engine update it each step).
+
+    Invariants:
+      - 0 <= num_computed_tokens <= num_tokens; a running request has num_computed_tokens < num_tokens
+        between steps (its newest token still needs its KV computed);
+      - output_token_ids only grows, except that nothing is ever removed from it.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_index: int,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_index = arrival_index
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.text = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the newest token implies, or None to go on. Stop strings are checked by the
+        engine, which owns the tokenizer."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,230 @@
+"""The continuous-batching scheduler: at every step, who runs, how many tokens each, and who must wait.
+
+One rule drives it (vLLM V1's): each request should compute `num_tokens - num_computed_tokens` more tokens.
+Running requests go first, oldest first; waiting requests join, first come first served, while the
+`max_num_seqs` and `max_num_batched_tokens` budgets and the free blocks allow. When a running request needs a
+block and none is free, the most recently arrived running request is preempted: its blocks are freed and it
+goes back to the front of the waiting queue to be recomputed later (its generated tokens are kept). No
+request is admitted in a step that preempted.
+
+The scheduler decides; `KVCacheManager` allocates; the model runner runs. It imports no torch.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagedlab.core.kv_cache_manager import KVCacheManager
+from pagedlab.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = False
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    samples: bool  # the step reaches the request's newest token, so a new token is sampled
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token: attention reads all of it from the cache (a decode, or a one-token chunk)."""
+        return self.num_new_tokens == 1
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    allocated: tuple[tuple[str, tuple[int, ...]], ...]  # (request_id, blocks added to its table)
+    preempted: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class UpdateOutput:
+    appended: tuple[tuple[str, int], ...]  # (request_id, token_id) sampled this step
+    finished: tuple[Request, ...]
+
+
+class Scheduler:
+    """Waiting and running queues over one `KVCacheManager`.
+
+    Invariants:
+      - every unfinished request is in exactly one of `waiting` and `running`; finished ones in neither;
+      - `running` is sorted by arrival, and len(running) <= max_num_seqs;
+      - a running request holds a block table covering at least its computed tokens; a waiting one holds none;
+      - the block manager's own invariants hold.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._freed: list[int] = []  # blocks freed since the last `take_freed_blocks()`
+
+    # -- queues -------------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request wherever it is (aborts, stop strings). Returns it, or None if it is unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self._freed.extend(self.kv.free(request_id))
+        return request
+
+    def take_freed_blocks(self) -> tuple[int, ...]:
+        freed, self._freed = tuple(self._freed), []
+        return freed
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """How many tokens the request may compute this step, within `budget` (0 = not this step)."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
+        if chunk:  # a recomputed request longer than a whole step is chunked even without chunked prefill
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: free every block; the request re-prefills all its tokens later."""
+        self.running.remove(request)
+        self._freed.extend(self.kv.free(request.request_id))
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        allocated: list[tuple[str, tuple[int, ...]]] = []
+        preempted: list[str] = []
+
+        def admit(request: Request, num_new_tokens: int, new_blocks: list[int]) -> None:
+            nonlocal budget
+            budget -= num_new_tokens
+            start = request.num_computed_tokens
+            samples = start + num_new_tokens == request.num_tokens
+            scheduled.append(ScheduledRequest(request.request_id, start, num_new_tokens, samples))
+            if new_blocks:
+                allocated.append((request.request_id, tuple(new_blocks)))
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            num_new_tokens = self._num_new_tokens(request, budget)
+            if num_new_tokens == 0:
+                i += 1
+                continue
+            total = request.num_computed_tokens + num_new_tokens
+            new_blocks = self.kv.allocate_slots(request.request_id, total)
+            while new_blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request.request_id, total)
+            if new_blocks is None:
+                break  # the request preempted itself: it was the newest, nothing after it runs
+            admit(request, num_new_tokens, new_blocks)
+            i += 1
+
+        # 2. Waiting requests, first come first served, unless this step had to preempt.
+        while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            num_new_tokens = self._num_new_tokens(request, budget)
+            if num_new_tokens == 0:
+                break
+            new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new_tokens)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+            admit(request, num_new_tokens, new_blocks)
+
+        self.num_steps += 1
+        return SchedulerOutput(self.num_steps, tuple(scheduled), tuple(allocated), tuple(preempted))
+
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> UpdateOutput:
+        """Advance each scheduled request by what was computed, append the sampled tokens, finish the done."""
+        appended: list[tuple[str, int]] = []
+        finished: list[Request] = []
+        for scheduled in output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted after it was scheduled
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if not scheduled.samples:
+                continue
+            token_id = sampled[scheduled.request_id]
+            request.append_token(token_id)
+            appended.append((scheduled.request_id, token_id))
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                finished.append(self.finish_request(scheduled.request_id, status))
+        return UpdateOutput(tuple(appended), tuple(finished))
+
+    # -- checks -------------------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        waiting_ids = {r.request_id for r in self.waiting}
+        running_ids = {r.request_id for r in self.running}
+        assert not waiting_ids & running_ids, f"in both queues: {waiting_ids & running_ids}"
+        assert waiting_ids | running_ids == set(self.requests), "a request is lost or finished but queued"
+        assert len(self.running) <= self.config.max_num_seqs
+        arrivals = [r.arrival_index for r in self.running]
+        assert arrivals == sorted(arrivals), "running is not in arrival order"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            table = self.kv.block_tables.get(request.request_id)
+            assert table is not None and table.num_tokens >= request.num_computed_tokens
+        for request in self.waiting:
+            assert request.status == RequestStatus.WAITING
+            assert request.request_id not in self.kv.block_tables, f"waiting {request.request_id} holds blocks"
+            assert request.num_computed_tokens == 0

@@ -1,0 +1,312 @@
+"""The step-level engine: add requests, call `step()`, read outputs; abort at any time.
+
+Each step flows one way: the scheduler decides who runs, the block manager allocates, the model runner
+computes and samples, the scheduler appends tokens and finishes requests, and the engine records a
+`StepRecord` and returns outputs. The engine knows about tokenizers only to read prompts and stop strings.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+from pagedlab.config import EngineConfig
+from pagedlab.core.kv_cache_manager import KVCacheManager
+from pagedlab.core.request import Request, RequestStatus
+from pagedlab.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UpdateOutput
+from pagedlab.core.trace import BlockTableSnapshot, StepRecord, Trace
+from pagedlab.models import load_model, resolve_device, resolve_dtype
+from pagedlab.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagedlab.sampling_params import RequestOutputKind, SamplingParams
+from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.model_runner import ModelRunner, WorkItem
+
+logger = logging.getLogger("pagedlab")
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, one `step()` at a time."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        model_config = model.config
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+
+        spec = KVCacheSpec.from_model_config(model_config, self.dtype)
+        model_max_len = getattr(model_config, "max_position_embeddings", None) or 1 << 30
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} positions"
+            )
+        wanted_len = config.max_model_len or model_max_len
+        num_blocks = num_blocks_for_budget(
+            spec,
+            config.block_size,
+            self.device,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_useful_tokens=config.max_num_seqs * wanted_len,
+        )
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} can never fit: the KV cache holds {num_blocks} blocks "
+                f"x {config.block_size} = {capacity} tokens; raise the KV budget or lower max_model_len"
+            )
+        self.max_model_len = min(wanted_len, capacity)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s); max_model_len %d",
+            num_blocks, config.block_size, capacity, num_blocks * spec.bytes_per_block(config.block_size) / 2**20,
+            self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
+        )  # fmt: skip
+
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_cache_manager,
+        )
+        self.model_runner = ModelRunner(model, spec, num_blocks, config.block_size, config.seed)
+        self.trace = Trace(num_blocks, config.block_size)
+        self._num_arrivals = 0
+        self._peak_used_blocks = 0
+        self._num_computed_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_finished = 0
+
+    @classmethod
+    def from_pretrained(cls, model=None, tokenizer=None, *, dtype="auto", device="auto", **config) -> LLMEngine:
+        """Load `model` (the embedded default, a path or Hub id, or a model object) and build an engine."""
+        engine_config = EngineConfig(**config)
+        device = resolve_device(device)
+        model, tokenizer = load_model(model, tokenizer, resolve_dtype(dtype, device), device)
+        return cls(model, tokenizer, engine_config)
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str | None, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> str:
+        """Queue a request. Bad input raises a ValueError before anything changes. Returns the request id."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        if request_id is None:
+            request_id = str(self._num_arrivals)
+        request_id = str(request_id)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id, token_ids, params, self._num_arrivals, max_tokens, self.eos_token_ids, prompt=text
+        )
+        self._num_arrivals += 1
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; with one generated token that exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        num_blocks = self.kv_cache_manager.num_blocks_for(len(token_ids) + 1)
+        if num_blocks > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"the prompt needs {num_blocks} KV blocks but the whole cache has {self.kv_cache_manager.num_blocks}"
+            )
+        if len(token_ids) > self.config.max_num_batched_tokens and not self.config.enable_chunked_prefill:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens}; raise it or enable chunked prefill"
+            )
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests wherever they are and free their blocks at once. Unknown ids are logged and skipped."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if request is None:
+                logger.warning("abort_request: no unfinished request has id %r; nothing to abort", rid)
+            else:
+                self._on_finished(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the outputs of the requests that changed."""
+        output = self.scheduler.schedule()
+        sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
+        if not output.is_empty:
+            kv = self.kv_cache_manager
+            items = [WorkItem(self.scheduler.requests[s.request_id], s, kv.block_table(s.request_id))
+                     for s in output.scheduled]  # fmt: skip
+            sampled = self.model_runner.execute(items)
+        self._peak_used_blocks = max(self._peak_used_blocks, self.kv_cache_manager.pool.num_used_blocks)
+        self._num_computed_tokens += output.num_batched_tokens
+        update = self.scheduler.update_from_output(output, {rid: token for rid, (token, _) in sampled.items()})
+        finished = list(update.finished)
+        for rid, token_id in update.appended:
+            request = self.scheduler.requests.get(rid) or next(r for r in finished if r.request_id == rid)
+            logprobs = sampled[rid][1]
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            if request.sampling_params.stop and not request.is_finished and self._hit_stop_string(request):
+                finished.append(self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED))
+        self._num_generated_tokens += len(update.appended)
+        for request in finished:
+            self._on_finished(request)
+        if self.config.record_trace:
+            self._record(output, update, finished)
+        changed = {rid for rid, _ in update.appended} | {r.request_id for r in finished}
+        requests = {r.request_id: r for r in finished} | {
+            rid: self.scheduler.requests[rid] for rid in changed if rid in self.scheduler.requests
+        }
+        return [out for rid in changed if (out := self._make_output(requests[rid])) is not None]
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        """Detokenize and look for a stop string; on a hit, cut the text before it (vLLM's default)."""
+        text = self._decode(request)
+        for stop in request.sampling_params.stop:
+            index = text.find(stop)
+            if index != -1:
+                request.text = text[:index]
+                request.stop_reason = stop
+                return True
+        return False
+
+    def _decode(self, request: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        skip = request.sampling_params.skip_special_tokens
+        return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
+
+    def _on_finished(self, request: Request) -> None:
+        self.model_runner.forget(request.request_id)
+        self._num_finished += 1
+
+    def _make_output(self, request: Request) -> RequestOutput | None:
+        params = request.sampling_params
+        kind = params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not request.is_finished:
+            return None
+        text = request.text if isinstance(request.stop_reason, str) else self._decode(request)
+        token_ids = list(request.output_token_ids)
+        logprobs = list(request.output_logprobs) if params.logprobs is not None else None
+        if kind == RequestOutputKind.DELTA:
+            seen_tokens, seen_text = getattr(request, "_delta_seen", (0, 0))
+            request._delta_seen = (len(token_ids), len(text))
+            token_ids, text = token_ids[seen_tokens:], text[seen_text:]
+            logprobs = logprobs[seen_tokens:] if logprobs is not None else None
+        completion = CompletionOutput(
+            0, text, token_ids, request.status.finish_reason, request.stop_reason, logprobs
+        )
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, [completion], request.is_finished
+        )
+
+    def _record(self, output: SchedulerOutput, update: UpdateOutput, finished: list[Request]) -> None:
+        kv = self.kv_cache_manager
+        self.trace.steps.append(
+            StepRecord(
+                step=output.step,
+                scheduled=output.scheduled,
+                allocated=output.allocated,
+                freed=self.scheduler.take_freed_blocks(),
+                preempted=output.preempted,
+                appended=update.appended,
+                finished=tuple((r.request_id, r.status.finish_reason) for r in finished),
+                block_tables=tuple(
+                    BlockTableSnapshot(rid, tuple(t.block_ids), t.num_tokens) for rid, t in kv.block_tables.items()
+                ),
+                waiting=tuple(r.request_id for r in self.scheduler.waiting),
+                running=tuple(r.request_id for r in self.scheduler.running),
+                num_free_blocks=kv.num_free_blocks,
+            )
+        )
+
+    # -- reporting ----------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache_manager.pool
+        return EngineStats(
+            num_kv_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            peak_used_blocks=self._peak_used_blocks,
+            block_size=self.config.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_steps=self.scheduler.num_steps,
+            num_computed_tokens=self._num_computed_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            num_finished=self._num_finished,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos is not None:
+        ids.update(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def with_output_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    return dataclasses.replace(params, output_kind=kind)
+

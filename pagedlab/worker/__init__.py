@@ -1,0 +1,1 @@
+"""The tensor side of the engine: the paged KV cache, paged attention, the model runner and the sampler."""

@@ -1,0 +1,169 @@
+"""Paged attention in plain torch, plugged into unmodified `transformers` models.
+
+pagedlab registers `paged_attention_forward` with `transformers.AttentionInterface` under the name
+"pagedlab". The model runner calls the model on one flattened ragged batch (all scheduled tokens of all
+requests in a single row) and passes a `PagedAttentionContext` through the model's keyword arguments. For each
+layer this function then
+
+  1. writes the new tokens' K and V into their slots of the paged cache (`slot_mapping`), and
+  2. attends each query token to its request's whole context, read through the block table.
+
+The flat batch holds decodes first (one token each, batched into one padded attention call), then prefill
+chunks (several tokens each, causal among themselves, after any context already in the cache):
+
+    rows:  [ d0 d1 d2 ... | p0 p0 p0 p0 p0 | p1 p1 p1 ]
+             decodes        prefill 0        prefill 1
+
+The Triton kernels in `pagedlab.kernels` compute the same thing; this file is their reference.
+
+# Explained in chapters/03_paged_attention.ipynb
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "pagedlab"
+
+
+@dataclass
+class PrefillChunk:
+    """Rows [start, end) of the flat batch: one request's new tokens, after `num_context` cached ones."""
+
+    start: int
+    end: int
+    num_context: int
+    block_ids: torch.Tensor  # [num_blocks_of_request] physical blocks covering num_context + (end - start) tokens
+
+    @property
+    def num_new(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step, built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset) of each new token
+    num_decodes: int  # the first num_decodes rows are decodes
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decodes] tokens of context including the new one
+    prefills: list[PrefillChunk]
+    _masks: dict = field(default_factory=dict)  # per-step cache of decode masks, by sliding window
+
+    def decode_mask(self, block_size: int, sliding_window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] True where a decode query may attend."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            num_keys = self.decode_block_tables.shape[1] * block_size
+            key_pos = torch.arange(num_keys, device=self.decode_context_lens.device)
+            lens = self.decode_context_lens[:, None]
+            mask = key_pos[None, :] < lens
+            if sliding_window is not None:  # query at position lens-1 sees keys with q - k < window
+                mask &= key_pos[None, :] > lens - 1 - sliding_window
+            mask = self._masks[sliding_window] = mask[:, None, None, :]
+        return mask
+
+
+@dataclass
+class PagedAttentionContext:
+    """What the attention function receives on every layer: this step's metadata and the paged KV cache."""
+
+    metadata: AttentionMetadata
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def write_to_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store K and V of the new tokens ([num_tokens, kv_heads, head_dim]) into their flat slots."""
+    num_kv_heads, head_dim = key.shape[1:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The blocks' slots, in logical order: [..., num_blocks * block_size, kv_heads, head_dim]."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))  # [n * num_blocks, block_size, kv_heads, head_dim]
+    return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale, sliding_window):
+    """query [num_decodes, q_heads, head_dim] -> [num_decodes, q_heads, head_dim].
+
+    Each KV head serves `group = q_heads // kv_heads` query heads; they are laid out as `group` query rows of
+    that KV head, so grouped-query attention needs no copy of K or V.
+    """
+    num_decodes, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    q = query.reshape(num_decodes, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    k = _gather(key_cache, metadata.decode_block_tables).transpose(1, 2)  # [B, kv_heads, keys, head_dim]
+    v = _gather(value_cache, metadata.decode_block_tables).transpose(1, 2)
+    mask = metadata.decode_mask(block_size, sliding_window)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(num_decodes, num_q_heads, head_dim)
+
+
+def prefill_attention(query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale, sliding_window):
+    """One request's new tokens: query [n, q_heads, head_dim], its own key/value [n, kv_heads, head_dim]."""
+    q = query.transpose(0, 1)  # [q_heads, n, head_dim]
+    if chunk.num_context == 0 and sliding_window is None:
+        out = F.scaled_dot_product_attention(
+            q, key.transpose(0, 1), value.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)
+    num_keys = chunk.num_context + chunk.num_new
+    k = _gather(key_cache, chunk.block_ids)[:num_keys].transpose(0, 1)  # [kv_heads, keys, head_dim]
+    v = _gather(value_cache, chunk.block_ids)[:num_keys].transpose(0, 1)
+    q_pos = torch.arange(chunk.num_context, num_keys, device=query.device)[:, None]
+    k_pos = torch.arange(num_keys, device=query.device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, q_heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    pagedlab_context: PagedAttentionContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The `transformers` attention-interface entry point. Returns [1, num_tokens, q_heads, head_dim]."""
+    if pagedlab_context is None:
+        raise RuntimeError(
+            "the 'pagedlab' attention implementation only runs inside the pagedlab engine "
+            "(it needs the engine's block tables); use attn_implementation='sdpa' elsewhere"
+        )
+    metadata = pagedlab_context.metadata
+    key_cache, value_cache = pagedlab_context.kv_cache[module.layer_idx]
+    q = query[0].transpose(0, 1)  # [num_tokens, q_heads, head_dim]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    write_to_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+
+    out = torch.empty_like(q)
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        out[:num_decodes] = decode_attention(q[:num_decodes], key_cache, value_cache, metadata, scaling, sliding_window)
+    for chunk in metadata.prefills:
+        rows = slice(chunk.start, chunk.end)
+        out[rows] = prefill_attention(
+            q[rows], k[rows], v[rows], key_cache, value_cache, chunk, scaling, sliding_window
+        )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,0 +1,135 @@
+"""Run one scheduled step through an unmodified `transformers` model over the paged KV cache.
+
+The runner flattens the step into one ragged row (decodes first, then prefill chunks), builds the attention
+metadata once, calls the model with pagedlab's attention selected for that call only, keeps the logits of
+the rows that sample, and hands them to the sampler. It owns the KV cache tensor and nothing else of state.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from pagedlab.core.kv_cache_manager import BlockTable
+from pagedlab.core.request import Request
+from pagedlab.core.scheduler import ScheduledRequest
+from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext, PrefillChunk
+from pagedlab.worker.kv_cache import KVCacheSpec
+from pagedlab.worker.sampler import Sampler, SamplerOutput, SamplingRequest
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request's part of a step, with what the runner needs to read its tokens and slots."""
+
+    request: Request
+    scheduled: ScheduledRequest
+    block_table: BlockTable
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str):
+    """Select an attention implementation for the duration of one call, then restore the model's own.
+
+    The model object is the user's: after the engine's call it runs with its own attention again, so
+    `model.generate()` keeps working on the same object.
+    """
+    config = model.config
+    previous = config._attn_implementation_internal
+    config._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = previous
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, seed: int
+    ) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.spec = spec
+        self.block_size = block_size
+        self.kv_cache = spec.allocate(num_blocks, block_size, self.device)
+        self.sampler = Sampler(seed, self.device)
+
+    def execute(self, items: list[WorkItem]) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Compute the step; return {request_id: (token_id, logprobs)} for the requests that sample."""
+        items = sorted(items, key=lambda item: not item.scheduled.is_decode)  # decodes first
+        input_ids, positions, slots, sample_rows, metadata = self._prepare(items)
+        context = PagedAttentionContext(metadata, self.kv_cache)
+        with torch.inference_mode(), _attention_implementation(self.model, ATTENTION_NAME):
+            logits = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=torch.tensor(sample_rows, device=self.device),
+                pagedlab_context=context,
+            ).logits[0]
+            sampling = [self._sampling_request(item.request) for item in items if item.scheduled.samples]
+            out: SamplerOutput = self.sampler(logits, sampling)
+        return {
+            row.request_id: (token_id, logprobs)
+            for row, token_id, logprobs in zip(sampling, out.token_ids, out.logprobs)
+        }
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+
+    @staticmethod
+    def _sampling_request(request: Request) -> SamplingRequest:
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(request.eos_token_ids)
+            banned = eos + params.stop_token_ids
+        return SamplingRequest(request.request_id, params, banned)
+
+    def _prepare(self, items: list[WorkItem]):
+        """The flat batch: token ids, positions, cache slots, the rows that sample, and attention metadata."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        block_size = self.block_size
+        for item in items:
+            s, table = item.scheduled, item.block_table
+            start, stop = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            row = len(input_ids)
+            input_ids.extend(item.request.token_ids(start, stop))
+            positions.extend(range(start, stop))
+            slots.extend(table.slot(p) for p in range(start, stop))
+            if s.samples:
+                sample_rows.append(row + s.num_new_tokens - 1)
+            num_blocks = -(-stop // block_size)
+            if s.is_decode:
+                decode_tables.append(table.block_ids[:num_blocks])
+                decode_lens.append(stop)
+            else:
+                block_ids = torch.tensor(table.block_ids[:num_blocks], device=self.device)
+                prefills.append(PrefillChunk(row, row + s.num_new_tokens, start, block_ids))
+        device = self.device
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device),
+            num_decodes=len(decode_tables),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), max_blocks),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+            prefills=prefills,
+        )
+        return (
+            torch.tensor(input_ids, device=device),
+            torch.tensor(positions, device=device),
+            slots,
+            sample_rows,
+            metadata,
+        )

@@ -1,0 +1,102 @@
+"""Turn each request's next-token logits into a token, by its own `SamplingParams`.
+
+Greedy rows take the argmax. Random rows divide by the temperature, apply top-k, top-p and min-p, and draw
+with the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling from p. Each seeded request
+draws its E from its own `torch.Generator`, so its tokens do not depend on what else is in the batch;
+unseeded requests share the sampler's generator (seeded from the engine's seed, so runs are reproducible).
+Log-probabilities, when asked for, are those of the raw model distribution (before temperature), as vLLM's.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedlab.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One row of the logits: whose it is, how to sample it, and what it may not yet end with."""
+
+    request_id: str
+    params: SamplingParams
+    banned_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while min_tokens is not reached
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def _generator(self, row: SamplingRequest) -> torch.Generator:
+        if row.params.seed is None:
+            return self.generator
+        generator = self._request_generators.get(row.request_id)
+        if generator is None:
+            generator = torch.Generator(self.device).manual_seed(row.params.seed)
+            self._request_generators[row.request_id] = generator
+        return generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
+        """logits: [num_rows, vocab_size], one row per entry of `rows`."""
+        logits = logits.float()
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, list(row.banned_token_ids)] = -float("inf")
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=self._generator(rows[i]))
+            token_ids[index] = (probs / noise).argmax(dim=-1)
+        token_list = token_ids.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(rows)
+        asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if asked:
+            raw = torch.log_softmax(logits[asked], dim=-1)
+            for j, i in enumerate(asked):
+                top = raw[j].topk(rows[i].params.logprobs) if rows[i].params.logprobs else None
+                entry = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+                entry[token_list[i]] = raw[j, token_list[i]].item()
+                logprobs[i] = entry
+        return SamplerOutput(token_list, logprobs)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of logits / temperature after top-k, top-p and min-p, row by row settings."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperature[:, None]
+    vocab_size = logits.shape[-1]
+    if any(0 < p.top_k < vocab_size for p in params):
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=logits.device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = logits.softmax(dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # keep a token while the mass before it < top_p
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
