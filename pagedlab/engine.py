@@ -18,7 +18,7 @@ from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.request import Request, RequestStatus
 from pagedlab.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UpdateOutput
 from pagedlab.core.trace import BlockTableSnapshot, StepRecord, Trace
-from pagedlab.models import load_model, resolve_device, resolve_dtype
+from pagedlab.models import eos_token_ids, load_model, resolve_device, resolve_dtype
 from pagedlab.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
@@ -40,7 +40,7 @@ class LLMEngine:
         self.dtype = next(model.parameters()).dtype
         model_config = model.config
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
 
         spec = KVCacheSpec.from_model_config(model_config, self.dtype)
         model_max_len = getattr(model_config, "max_position_embeddings", None) or 1 << 30
@@ -186,6 +186,7 @@ class LLMEngine:
             kv = self.kv_cache_manager
             items = [WorkItem(self.scheduler.requests[s.request_id], s, kv.block_table(s.request_id))
                      for s in output.scheduled]  # fmt: skip
+            self.model_runner.zero_blocks([b for _, blocks in output.allocated for b in blocks])
             sampled = self.model_runner.execute(items)
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv_cache_manager.pool.num_used_blocks)
         self._num_computed_tokens += output.num_batched_tokens
@@ -290,21 +291,6 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-
-
-def _eos_token_ids(model, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    generation_config = getattr(model, "generation_config", None)
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos is not None:
-        ids.update(eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 def with_output_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:

@@ -123,3 +123,19 @@ def load_model(model, tokenizer, dtype: torch.dtype, device: torch.device):
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return loaded, tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """The ids that end generation: the generation config's EOS (or the model config's), and the tokenizer's."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos is not None:
+        ids.update(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -45,9 +45,15 @@ class KVCacheSpec:
         return self.bytes_per_token * block_size
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+        """Uninitialised memory (pages are only touched as blocks fill), except block 0, the padding block.
+
+        The torch reference reads masked-out slots too, so every block must hold finite numbers: the model
+        runner zeroes each block when it is allocated (`zero_blocks`), and block 0 here.
+        """
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        # Zeros, not empty: masked-out padding is still read by the torch reference and must be finite.
-        return torch.zeros(shape, dtype=self.dtype, device=device)
+        kv_cache = torch.empty(shape, dtype=self.dtype, device=device)
+        kv_cache[:, :, 0] = 0
+        return kv_cache
 
 
 def default_cpu_budget() -> int:

@@ -58,6 +58,11 @@ class ModelRunner:
         self.kv_cache = spec.allocate(num_blocks, block_size, self.device)
         self.sampler = Sampler(seed, self.device)
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Clear newly allocated blocks in every layer, so that masked-out slots hold finite values."""
+        if block_ids:
+            self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
+
     def execute(self, items: list[WorkItem]) -> dict[str, tuple[int, dict[int, float] | None]]:
         """Compute the step; return {request_id: (token_id, logprobs)} for the requests that sample."""
         items = sorted(items, key=lambda item: not item.scheduled.is_decode)  # decodes first

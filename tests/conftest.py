@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random models of each supported family, the embedded SmolLM2, and HF references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+# At the default init (std 0.02) the top logits of a random model nearly tie and greedy equality flakes;
+# std 0.1 keeps the top-2 gap well above float noise.
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+
+TINY_FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_TINY)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_TINY)),
+    # 6 query heads over 2 KV heads and a head_dim of 80 (not a power of two)
+    "llama-gqa3-hd80": lambda: LlamaForCausalLM(
+        LlamaConfig(**{**_TINY, "hidden_size": 96, "num_attention_heads": 6, "head_dim": 80})
+    ),
+    "mistral-window8": lambda: MistralForCausalLM(MistralConfig(**_TINY, sliding_window=8)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_TINY, head_dim=16)),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = TINY_FAMILIES[family]()
+    model.config.eos_token_id = model.generation_config.eos_token_id = None  # run to max_tokens
+    return model.eval()
+
+
+def random_prompts(lengths, vocab_size=128, seed=1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face `generate(do_sample=False)`, one prompt at a time (no padding), new tokens only."""
+    outputs = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),  # else HF masks prompt tokens equal to the pad id
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        tokens = out[0, len(prompt) :].tolist()
+        eos = model.generation_config.eos_token_id
+        eos = {eos} if isinstance(eos, int) else set(eos or ())
+        for i, token in enumerate(tokens):  # HF pads after EOS; pagedlab stops there
+            if token in eos:
+                tokens = tokens[: i + 1]
+                break
+        outputs.append(tokens)
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (float32) and its tokenizer, loaded once."""
+    from pagedlab.models import load_model
+
+    return load_model(None, None, torch.float32, torch.device("cpu"))

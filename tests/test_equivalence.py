@@ -1,0 +1,110 @@
+"""Greedy tokens identical to Hugging Face `generate()`, whatever the block size and arrival pattern."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlab import LLMEngine, SamplingParams
+from pagedlab.config import EngineConfig
+from tests.conftest import hf_greedy, random_prompts, tiny_model
+
+BLOCK_SIZES = [1, 2, 16, 32]
+MODES = ["all-at-once", "one-at-a-time", "staggered"]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, mode: str) -> list[list[int]]:
+    """Drive the step-level engine; return each prompt's generated tokens. Checks invariants every step."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    results: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+
+    def add(i: int, prompt: list[int]) -> None:
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        engine.check_invariants()
+
+    if mode == "all-at-once":
+        for i, prompt in pending:
+            add(i, prompt)
+    step_index = 0
+    while pending or engine.has_unfinished_requests():
+        if mode == "one-at-a-time" and not engine.has_unfinished_requests():
+            add(*pending.pop(0))
+        elif mode == "staggered" and pending and step_index % 3 == 0:
+            add(*pending.pop(0))  # a new request joins every third step, into a running batch
+        elif mode == "all-at-once":
+            pending.clear()
+        step()
+        step_index += 1
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks, "blocks leaked"
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-gqa3-hd80", "mistral-window8", "qwen3"])
+def tiny_case(request):
+    model = tiny_model(request.param)
+    prompts = random_prompts([5, 17, 1, 33, 9, 24])
+    return model, prompts, hf_greedy(model, prompts, max_new_tokens=24)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_tiny_models_match_hf(tiny_case, block_size, mode):
+    model, prompts, expected = tiny_case
+    engine = LLMEngine(model, None, EngineConfig(block_size=block_size, num_kv_blocks=2048 // block_size))
+    assert run(engine, prompts, 24, mode) == expected
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_preemption_by_recompute_keeps_tokens(tiny_case, block_size):
+    """A pool so small that requests are preempted and recomputed many times; the tokens do not change."""
+    model, prompts, expected = tiny_case
+    num_blocks = -(-(33 + 24) // block_size)  # room for the longest request alone, and little more
+    engine = LLMEngine(model, None, EngineConfig(block_size=block_size, num_kv_blocks=num_blocks + 1))
+    assert run(engine, prompts, 24, "all-at-once") == expected
+    assert engine.stats().num_preemptions > 0
+
+
+def test_small_step_budget_keeps_tokens(tiny_case):
+    """max_num_seqs and max_num_batched_tokens hold requests back; the tokens do not change."""
+    model, prompts, expected = tiny_case
+    config = EngineConfig(block_size=4, num_kv_blocks=512, max_num_seqs=2, max_num_batched_tokens=40)
+    engine = LLMEngine(model, None, config)
+    assert run(engine, prompts, 24, "all-at-once") == expected
+    for record in engine.trace:
+        assert record.num_batched_tokens <= 40 and len(record.running) <= 2
+
+
+SMOL_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a synonym for 'happy'.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_case(smollm2):
+    model, tokenizer = smollm2
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in SMOL_QUESTIONS
+    ]
+    prompts = [tokenizer.encode(p) for p in prompts]
+    return model, prompts, hf_greedy(model, prompts, max_new_tokens=32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_smollm2_matches_hf(smol_case, block_size, mode):
+    model, prompts, expected = smol_case
+    engine = LLMEngine(model, None, EngineConfig(block_size=block_size, num_kv_blocks=4096 // block_size))
+    assert run(engine, prompts, 32, mode) == expected
