@@ -108,3 +108,13 @@ def test_smollm2_matches_hf(smol_case, block_size, mode):
     model, prompts, expected = smol_case
     engine = LLMEngine(model, None, EngineConfig(block_size=block_size, num_kv_blocks=4096 // block_size))
     assert run(engine, prompts, 32, mode) == expected
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+def test_chunked_prefill_keeps_tokens(tiny_case, budget):
+    """Prompts longer than the step budget are prefilled over several steps, next to running decodes."""
+    model, prompts, expected = tiny_case
+    config = EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=budget, enable_chunked_prefill=True)
+    engine = LLMEngine(model, None, config)
+    assert run(engine, prompts, 24, "staggered") == expected
+    assert all(record.num_batched_tokens <= budget for record in engine.trace)

@@ -73,7 +73,7 @@ class ModelRunner:
                 input_ids=input_ids[None],
                 position_ids=positions[None],
                 use_cache=False,
-                logits_to_keep=torch.tensor(sample_rows, device=self.device),
+                logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
                 pagedlab_context=context,
             ).logits[0]
             sampling = [self._sampling_request(item.request) for item in items if item.scheduled.samples]
