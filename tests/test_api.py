@@ -161,3 +161,22 @@ def test_text_prompt_and_tqdm(smol_llm, capsys):
     out = smol_llm.generate(["The capital of France is", "1, 2, 3,"], SamplingParams(temperature=0, max_tokens=4))
     assert out[1].outputs[0].text.strip().startswith("4")
     assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_load_from_a_local_folder(tmp_path):
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), block_size=8, num_kv_blocks=64)
+    prompt = random_prompts([6])[0]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    expected = tokens(LLM(model, block_size=8, num_kv_blocks=64).generate(prompt, params, use_tqdm=False))
+    assert tokens(llm.generate(prompt, params, use_tqdm=False)) == expected
+    assert llm.get_tokenizer() is None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(dtype):
+    llm = LLM(tiny_model(), dtype=dtype, block_size=4, num_kv_blocks=64)
+    assert llm.llm_engine.model_runner.kv_cache.dtype == getattr(torch, dtype)
+    out = llm.generate(random_prompts([5, 9]), SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [len(t) for t in tokens(out)] == [5, 5]
