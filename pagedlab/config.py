@@ -14,6 +14,9 @@ class EngineConfig:
         (a block count, a byte budget, or on CUDA a share of the free memory after loading; on CPU a default).
     max_num_seqs, max_num_batched_tokens: the per-step budgets of the scheduler.
     max_model_len: prompt plus output, at most; default the model's limit, capped by the KV capacity.
+    enable_prefix_caching: keep the KV of full blocks findable by content, so that requests sharing a
+        prefix compute it once (vLLM's --enable-prefix-caching).
+    enable_chunked_prefill: split prompts longer than the step's token budget over several steps.
     seed: seeds the sampler of requests that bring no seed of their own.
     record_trace: keep a `StepRecord` of every step (what the chapters draw).
     """
@@ -25,6 +28,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
     seed: int = 0
     record_trace: bool = True

@@ -71,7 +71,7 @@ class LLMEngine:
             self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
         )  # fmt: skip
 
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -107,6 +107,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         self._check_prompt(token_ids)
         if request_id is None:
             request_id = str(self._num_arrivals)
@@ -116,7 +117,7 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
-            request_id, token_ids, params, self._num_arrivals, max_tokens, self.eos_token_ids, prompt=text
+            request_id, token_ids, params, self._num_arrivals, max_tokens, self.eos_token_ids, text, cache_salt
         )
         self._num_arrivals += 1
         self.scheduler.add_request(request)
@@ -169,6 +170,13 @@ class LLMEngine:
                 logger.warning("abort_request: no unfinished request has id %r; nothing to abort", rid)
             else:
                 self._on_finished(request)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks. Refused (False, with a warning) while any request holds blocks."""
+        if self.kv_cache_manager.reset_prefix_cache():
+            return True
+        logger.warning("reset_prefix_cache refused: %d blocks are in use", self.kv_cache_manager.pool.num_used_blocks)
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -268,6 +276,8 @@ class LLMEngine:
                 waiting=tuple(r.request_id for r in self.scheduler.waiting),
                 running=tuple(r.request_id for r in self.scheduler.running),
                 num_free_blocks=kv.num_free_blocks,
+                cached_blocks=tuple(sorted(kv.pool.hash_to_block.values())),
+                evicted=kv.pool.take_evicted(),
             )
         )
 
@@ -287,6 +297,9 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             num_finished=self._num_finished,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache_manager.num_query_tokens,
+            prefix_cache_hits=self.kv_cache_manager.num_hit_tokens,
+            num_evicted_blocks=pool.num_evicted_blocks,
         )
 
     def check_invariants(self) -> None:

@@ -85,6 +85,9 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.llm_engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         wanted = set(request_ids)

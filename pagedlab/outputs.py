@@ -41,10 +41,17 @@ class EngineStats:
     num_generated_tokens: int
     num_finished: int
     num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found cached (not computed)
+    num_evicted_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.num_used_blocks / self.num_kv_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def __str__(self) -> str:
         return (
@@ -53,4 +60,10 @@ class EngineStats:
             f"{self.num_running} running, {self.num_waiting} waiting; {self.num_steps} steps, "
             f"{self.num_computed_tokens} tokens computed, {self.num_generated_tokens} generated, "
             f"{self.num_preemptions} preemptions"
+            + (
+                f"; prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}% "
+                f"({self.prefix_cache_hits}/{self.prefix_cache_queries} tokens), {self.num_evicted_blocks} evicted"
+                if self.prefix_cache_queries
+                else ""
+            )
         )

@@ -4,44 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagedlab import LLMEngine, SamplingParams
+from pagedlab import LLMEngine
 from pagedlab.config import EngineConfig
-from tests.conftest import hf_greedy, random_prompts, tiny_model
+from tests.conftest import hf_greedy, random_prompts, run_engine as run, tiny_model
 
 BLOCK_SIZES = [1, 2, 16, 32]
 MODES = ["all-at-once", "one-at-a-time", "staggered"]
-
-
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, mode: str) -> list[list[int]]:
-    """Drive the step-level engine; return each prompt's generated tokens. Checks invariants every step."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    results: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-
-    def add(i: int, prompt: list[int]) -> None:
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-
-    def step() -> None:
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-        engine.check_invariants()
-
-    if mode == "all-at-once":
-        for i, prompt in pending:
-            add(i, prompt)
-    step_index = 0
-    while pending or engine.has_unfinished_requests():
-        if mode == "one-at-a-time" and not engine.has_unfinished_requests():
-            add(*pending.pop(0))
-        elif mode == "staggered" and pending and step_index % 3 == 0:
-            add(*pending.pop(0))  # a new request joins every third step, into a running batch
-        elif mode == "all-at-once":
-            pending.clear()
-        step()
-        step_index += 1
-    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks, "blocks leaked"
-    return [results[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama-gqa3-hd80", "mistral-window8", "qwen3"])

@@ -1,7 +1,9 @@
 """The pool of physical KV blocks: which are free, and how many block tables hold each one.
 
 A block is `block_size` token slots of K and V in every layer. The pool hands out block ids, counts their
-holders (`ref_count`) and takes them back when the last holder lets go. It knows nothing of tensors.
+holders (`ref_count`) and takes them back when the last holder lets go. With prefix caching, a full block
+also carries the hash of its content: freed, it stays findable by that hash until it is handed out again
+(evicted), least recently freed first. It knows nothing of tensors.
 
 # Explained in chapters/02_paged_blocks.ipynb
 """
@@ -9,7 +11,9 @@ holders (`ref_count`) and takes them back when the last holder lets go. It knows
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from pagedlab.core.block_hash import BlockHash
 
 
 class NotEnoughBlocksError(RuntimeError):
@@ -26,7 +30,10 @@ class BlockPool:
     Invariants:
       - every block id in [0, num_blocks) is either in the free queue or has ref_count >= 1, never both;
       - ref_count is never negative;
-      - num_free_blocks + num_used_blocks == num_blocks.
+      - num_free_blocks + num_used_blocks == num_blocks;
+      - hash_to_block and block_hash agree: hash_to_block[h] == b  <=>  block_hash[b] == h, and such a block
+        holds block_tokens[b]; a block loses its hash only when it is handed out again (evicted) or the
+        cache is reset.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -35,6 +42,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[BlockHash, int] = {}
+        self.num_evicted_blocks = 0
+        self._evicted: list[int] = []  # since the last take_evicted()
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,9 +71,56 @@ class BlockPool:
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
+            if self.block_hash[block_id] is not None:  # a cached block is reused: evict its content now
+                self._uncache(block_id)
+                self.num_evicted_blocks += 1
+                self._evicted.append(block_id)
             self.ref_count[block_id] = 1
             block_ids.append(block_id)
         return block_ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add one holder to each block, taking free (cached) ones out of the free queue: a prefix-cache hit."""
+        for block_id in block_ids:
+            if self.ref_count[block_id] == 0:
+                del self._free[block_id]
+            self.ref_count[block_id] += 1
+
+    # -- prefix caching -----------------------------------------------------------------------------------
+
+    def cache(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Make a full, in-use block findable by its hash. False if another block already holds that content."""
+        assert self.ref_count[block_id] >= 1 and self.block_hash[block_id] is None
+        if block_hash in self.hash_to_block:
+            return False
+        self.hash_to_block[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        self.block_tokens[block_id] = tuple(token_ids)
+        return True
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
+        """The cached block holding exactly these tokens after this prefix, or None."""
+        block_id = self.hash_to_block.get(block_hash)
+        if block_id is None or self.block_tokens[block_id] != tuple(token_ids):
+            return None  # unknown, or a hash collision: never hand back the wrong KV
+        return block_id
+
+    def _uncache(self, block_id: int) -> None:
+        del self.hash_to_block[self.block_hash[block_id]]
+        self.block_hash[block_id] = None
+        self.block_tokens[block_id] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if self.num_used_blocks:
+            return False
+        for block_id in list(self.hash_to_block.values()):
+            self._uncache(block_id)
+        return True
+
+    def take_evicted(self) -> tuple[int, ...]:
+        evicted, self._evicted = tuple(self._evicted), []
+        return evicted
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Add one holder to each block (a fork: two block tables now point at it)."""
@@ -86,6 +145,9 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         assert len(self._free) + self.num_used_blocks == self.num_blocks
+        for block_hash, block_id in self.hash_to_block.items():
+            assert self.block_hash[block_id] == block_hash, f"hash entry of block {block_id} is stale"
+        assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block)
         for block_id, count in enumerate(self.ref_count):
             assert count >= 0, f"block {block_id} has ref_count {count}"
             assert (count == 0) == (block_id in self._free), (

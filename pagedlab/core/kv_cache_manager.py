@@ -3,15 +3,18 @@
 The manager grows a request's block table on demand, one block whenever its tokens spill past the last
 block, and frees the whole table when the request finishes, is preempted or is aborted. Nothing is
 reserved ahead of need: a request holds ceil(num_tokens / block_size) blocks, so only its last block can
-have empty slots.
+have empty slots. With prefix caching on, a new request first takes the longest run of cached full blocks
+that match its tokens, and every block it fills is hashed for those who come after.
 
 # Explained in chapters/02_paged_blocks.ipynb
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pagedlab.core.block_hash import BlockHash, hash_block, root_hash
 from pagedlab.core.block_pool import BlockPool
 
 
@@ -51,15 +54,21 @@ class KVCacheManager:
     Invariants:
       - each block's ref_count equals the number of block tables that hold it;
       - a table holds exactly cdiv(num_tokens, block_size) blocks;
-      - no block is both free and held by a table (the pool's own invariants hold).
+      - no block is both free and held by a table (the pool's own invariants hold);
+      - with prefix caching, a request's known block hashes cover only full blocks, and each is the hash
+        its block carries in the pool, unless that content was already cached in another block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if block_size < 1 or block_size & (block_size - 1) or block_size > 256:
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, BlockTable] = {}
+        self.block_hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's full blocks so far
+        self.num_query_tokens = 0  # prefix-cache metrics, in tokens
+        self.num_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -75,23 +84,79 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> BlockTable:
         return self.block_tables[request_id]
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Make the request's table cover `num_tokens` token slots in all.
+    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """The longest run of cached full blocks holding a prefix of `token_ids`.
 
-        Returns the blocks newly added (possibly none), or None, changing nothing, when too few are free.
+        The last token is always left to compute (its logits are needed), so at most
+        (len(token_ids) - 1) // block_size blocks can hit. Nothing is taken yet: see `allocate_slots`.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        size = self.block_size
+        hits: list[int] = []
+        parent = root_hash(cache_salt)
+        for i in range((len(token_ids) - 1) // size):
+            tokens = token_ids[i * size : (i + 1) * size]
+            parent = hash_block(parent, tokens)
+            block_id = self.pool.lookup(parent, tokens)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count an admitted request's lookup in the hit-rate metrics (a blocked one may look again)."""
+        if self.enable_prefix_caching:
+            self.num_query_tokens += num_tokens
+            self.num_hit_tokens += num_hit_blocks * self.block_size
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Make the request's table cover `num_tokens` token slots in all, starting with `computed_blocks`
+        (prefix-cache hits, for a request that holds no table yet).
+
+        Returns the blocks newly allocated (possibly none), or None, changing nothing, when too few are free.
         """
         table = self.block_tables.get(request_id)
+        num_held = len(table.block_ids) if table is not None else 0
+        num_new_blocks = self.num_blocks_for(num_tokens) - num_held - len(computed_blocks)
+        num_free_hits = sum(1 for b in computed_blocks if self.pool.is_free(b))  # taking them uses free room
+        if max(num_new_blocks, 0) + num_free_hits > self.pool.num_free_blocks:
+            return None
         if table is None:
             table = self.block_tables[request_id] = BlockTable(self.block_size)
-        num_new_blocks = self.num_blocks_for(num_tokens) - len(table.block_ids)
-        if num_new_blocks > self.pool.num_free_blocks:
-            if not table.block_ids:
-                del self.block_tables[request_id]
-            return None
+        if computed_blocks:
+            assert not table.block_ids, "prefix-cache hits only start a table"
+            self.pool.touch(computed_blocks)
+            table.block_ids.extend(computed_blocks)
+            self.block_hashes[request_id] = [self.pool.block_hash[b] for b in computed_blocks]
         new_block_ids = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
         table.block_ids.extend(new_block_ids)
         table.num_tokens = max(table.num_tokens, num_tokens)
         return new_block_ids
+
+    def cache_full_blocks(
+        self, request_id: str, num_computed_tokens: int, token_ids: Callable[[int, int], list[int]],
+        cache_salt: str | None = None,
+    ) -> None:  # fmt: skip
+        """Hash the request's blocks that `num_computed_tokens` has filled, so that later requests hit them."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        hashes = self.block_hashes.setdefault(request_id, [])
+        table = self.block_tables[request_id]
+        parent = hashes[-1] if hashes else root_hash(cache_salt)
+        for i in range(len(hashes), num_computed_tokens // size):
+            tokens = token_ids(i * size, (i + 1) * size)
+            parent = hash_block(parent, tokens)
+            hashes.append(parent)
+            block_id = table.block_ids[i]
+            if self.pool.block_hash[block_id] is None:
+                self.pool.cache(block_id, parent, tokens)  # False: the same content is cached elsewhere
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
 
     def free(self, request_id: str) -> list[int]:
         """Release the request's table; return the blocks that became free. Unknown ids free nothing.
@@ -99,6 +164,7 @@ class KVCacheManager:
         Blocks are released tail first, so that the free queue hands out a request's head blocks last
         (what prefix caching wants: a request's first blocks are the ones others are likeliest to share).
         """
+        self.block_hashes.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table is None:
             return []
@@ -117,3 +183,9 @@ class KVCacheManager:
             assert self.pool.ref_count[block_id] == count, (
                 f"block {block_id}: ref_count {self.pool.ref_count[block_id]}, held by {count} tables"
             )
+        for request_id, hashes in self.block_hashes.items():
+            table = self.block_tables[request_id]
+            assert len(hashes) * self.block_size <= table.num_tokens, f"{request_id}: hash of a partial block"
+            for block_hash, block_id in zip(hashes, table.block_ids):
+                cached = self.pool.block_hash[block_id]
+                assert cached in (block_hash, None), f"{request_id}: block {block_id} carries another hash"

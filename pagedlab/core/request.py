@@ -49,9 +49,11 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int],
         prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        self.cache_salt = cache_salt  # an extra prefix-cache key: equal tokens with other salts never share KV
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index

@@ -173,16 +173,22 @@ class Scheduler:
             admit(request, num_new_tokens, new_blocks)
             i += 1
 
-        # 2. Waiting requests, first come first served, unless this step had to preempt.
+        # 2. Waiting requests, first come first served, unless this step had to preempt. With prefix caching a
+        #    request starts from its longest cached prefix and computes only the rest.
         while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
+            hits = self.kv.get_computed_blocks(request.token_ids(0, request.num_tokens), request.cache_salt)
+            num_cached = len(hits) * self.kv.block_size
+            request.num_computed_tokens = num_cached
             num_new_tokens = self._num_new_tokens(request, budget)
-            if num_new_tokens == 0:
-                break
-            new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new_tokens)
+            new_blocks = None
+            if num_new_tokens:
+                new_blocks = self.kv.allocate_slots(request.request_id, num_cached + num_new_tokens, hits)
             if new_blocks is None:
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.kv.record_prefix_query(request.num_tokens, len(hits))
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_index)
             admit(request, num_new_tokens, new_blocks)
@@ -199,6 +205,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted after it was scheduled
             request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv.cache_full_blocks(
+                request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt
+            )
             if not scheduled.samples:
                 continue
             token_id = sampled[scheduled.request_id]

@@ -34,6 +34,8 @@ class StepRecord:
     waiting: tuple[str, ...]
     running: tuple[str, ...]
     num_free_blocks: int
+    cached_blocks: tuple[int, ...] = ()  # blocks findable by content hash (in use or free), prefix caching
+    evicted: tuple[int, ...] = ()  # cached blocks handed out again this step (their hash is gone)
 
     @property
     def num_batched_tokens(self) -> int:
