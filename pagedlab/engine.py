@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pagedlab.config import EngineConfig
 from pagedlab.core.kv_cache_manager import KVCacheManager
@@ -27,6 +28,19 @@ from pagedlab.worker.model_runner import ModelRunner, WorkItem
 logger = logging.getLogger("pagedlab")
 
 PromptType = str | list[int] | dict
+
+
+@dataclass
+class _Group:
+    """One user request: its sequences in sample order (one, or n once the samples have forked)."""
+
+    request_id: str
+    sequences: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        first = self.sequences[0]
+        return all(s.is_finished for s in self.sequences) and not (first.needs_fork and not first.is_finished)
 
 
 class LLMEngine:
@@ -83,6 +97,8 @@ class LLMEngine:
         )
         self.model_runner = ModelRunner(model, spec, num_blocks, config.block_size, config.seed)
         self.trace = Trace(num_blocks, config.block_size)
+        self._groups: dict[str, _Group] = {}  # unfinished user requests
+        self._sequences: dict[str, Request] = {}  # their sequences, finished ones too, until the group ends
         self._num_arrivals = 0
         self._peak_used_blocks = 0
         self._num_computed_tokens = 0
@@ -112,7 +128,7 @@ class LLMEngine:
         if request_id is None:
             request_id = str(self._num_arrivals)
         request_id = str(request_id)
-        if request_id in self.scheduler.requests:
+        if request_id in self._groups or request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -121,6 +137,8 @@ class LLMEngine:
         )
         self._num_arrivals += 1
         self.scheduler.add_request(request)
+        self._groups[request_id] = _Group(request_id, [request])
+        self._sequences[request_id] = request
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -162,14 +180,20 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests wherever they are and free their blocks at once. Unknown ids are logged and skipped."""
+        """Abort requests (all their samples) wherever they are and free their blocks at once.
+
+        Unknown or already finished ids are logged and skipped."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            if request is None:
+            group = self._groups.pop(rid, None)
+            if group is None:
                 logger.warning("abort_request: no unfinished request has id %r; nothing to abort", rid)
-            else:
-                self._on_finished(request)
+                continue
+            for sequence in group.sequences:
+                if self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ABORTED):
+                    self.model_runner.forget(sequence.request_id)
+                del self._sequences[sequence.request_id]
+            self._num_finished += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks. Refused (False, with a warning) while any request holds blocks."""
@@ -182,41 +206,78 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self._groups)
 
     # -- one step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the outputs of the requests that changed."""
         output = self.scheduler.schedule()
+        forks = {
+            s.request_id: self._fork_samples(self._sequences[s.request_id])
+            for s in output.scheduled
+            if s.samples and self._sequences[s.request_id].needs_fork
+        }
         sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
         if not output.is_empty:
             kv = self.kv_cache_manager
-            items = [WorkItem(self.scheduler.requests[s.request_id], s, kv.block_table(s.request_id))
-                     for s in output.scheduled]  # fmt: skip
+            items = [
+                WorkItem(self._sequences[s.request_id], s, kv.block_table(s.request_id), tuple(forks.get(s.request_id, ())))
+                for s in output.scheduled
+            ]  # fmt: skip
             self.model_runner.zero_blocks([b for _, blocks in output.allocated for b in blocks])
+            self.model_runner.copy_blocks([(source, copy) for _, source, copy in output.copies])
             sampled = self.model_runner.execute(items)
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv_cache_manager.pool.num_used_blocks)
         self._num_computed_tokens += output.num_batched_tokens
-        update = self.scheduler.update_from_output(output, {rid: token for rid, (token, _) in sampled.items()})
+        tokens = {rid: token for rid, (token, _) in sampled.items()}
+        update = self.scheduler.update_from_output(output, tokens, forks)
+        for parent_id, children in forks.items():
+            group = self._groups[parent_id]
+            group.sequences.extend(children)
+            self._sequences.update((child.request_id, child) for child in children)
         finished = list(update.finished)
-        for rid, token_id in update.appended:
-            request = self.scheduler.requests.get(rid) or next(r for r in finished if r.request_id == rid)
+        for rid, _ in update.appended:
+            sequence = self._sequences[rid]
             logprobs = sampled[rid][1]
             if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            if request.sampling_params.stop and not request.is_finished and self._hit_stop_string(request):
+                sequence.output_logprobs.append(logprobs)
+            if sequence.sampling_params.stop and not sequence.is_finished and self._hit_stop_string(sequence):
                 finished.append(self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED))
         self._num_generated_tokens += len(update.appended)
-        for request in finished:
-            self._on_finished(request)
+        for sequence in finished:
+            self.model_runner.forget(sequence.request_id)
         if self.config.record_trace:
             self._record(output, update, finished)
-        changed = {rid for rid, _ in update.appended} | {r.request_id for r in finished}
-        requests = {r.request_id: r for r in finished} | {
-            rid: self.scheduler.requests[rid] for rid in changed if rid in self.scheduler.requests
-        }
-        return [out for rid in changed if (out := self._make_output(requests[rid])) is not None]
+        return self._outputs({rid for rid, _ in update.appended} | {s.request_id for s in finished})
+
+    def _fork_samples(self, first: Request) -> list[Request]:
+        """The other n - 1 samples of a request; sample i draws with seed + i when a seed was given."""
+        params = first.sampling_params
+        return [
+            first.fork(f"{first.request_id}:{i}", i, dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i))
+            for i in range(1, params.n)
+        ]  # fmt: skip
+
+    def _outputs(self, changed_sequences: set[str]) -> list[RequestOutput]:
+        """One output per request (group) that changed, in arrival order; finished groups are dropped."""
+        group_ids = {self._group_id(rid) for rid in changed_sequences}
+        outputs = []
+        for group_id in sorted(group_ids, key=lambda g: self._groups[g].sequences[0].arrival_index):
+            group = self._groups[group_id]
+            output = self._make_output(group)
+            if group.finished:
+                del self._groups[group_id]
+                for sequence in group.sequences:
+                    del self._sequences[sequence.request_id]
+                self._num_finished += 1
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _group_id(self, sequence_id: str) -> str:
+        return sequence_id if sequence_id in self._groups else sequence_id.rpartition(":")[0]
 
     def _hit_stop_string(self, request: Request) -> bool:
         """Detokenize and look for a stop string; on a hit, cut the text before it (vLLM's default)."""
@@ -235,28 +296,26 @@ class LLMEngine:
         skip = request.sampling_params.skip_special_tokens
         return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
 
-    def _on_finished(self, request: Request) -> None:
-        self.model_runner.forget(request.request_id)
-        self._num_finished += 1
-
-    def _make_output(self, request: Request) -> RequestOutput | None:
-        params = request.sampling_params
-        kind = params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not request.is_finished:
+    def _make_output(self, group: _Group) -> RequestOutput | None:
+        first = group.sequences[0]
+        kind = first.sampling_params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not group.finished:
             return None
-        text = request.text if isinstance(request.stop_reason, str) else self._decode(request)
-        token_ids = list(request.output_token_ids)
-        logprobs = list(request.output_logprobs) if params.logprobs is not None else None
+        completions = [self._completion(sequence, kind) for sequence in group.sequences]
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, group.finished)
+
+    def _completion(self, sequence: Request, kind: RequestOutputKind) -> CompletionOutput:
+        params = sequence.sampling_params
+        text = sequence.text if isinstance(sequence.stop_reason, str) else self._decode(sequence)
+        token_ids = list(sequence.output_token_ids)
+        logprobs = list(sequence.output_logprobs) if params.logprobs is not None else None
         if kind == RequestOutputKind.DELTA:
-            seen_tokens, seen_text = getattr(request, "_delta_seen", (0, 0))
-            request._delta_seen = (len(token_ids), len(text))
+            seen_tokens, seen_text = sequence.delta_seen
+            sequence.delta_seen = (len(token_ids), len(text))
             token_ids, text = token_ids[seen_tokens:], text[seen_text:]
             logprobs = logprobs[seen_tokens:] if logprobs is not None else None
-        completion = CompletionOutput(
-            0, text, token_ids, request.status.finish_reason, request.stop_reason, logprobs
-        )
-        return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, [completion], request.is_finished
+        return CompletionOutput(
+            sequence.sample_index, text, token_ids, sequence.status.finish_reason, sequence.stop_reason, logprobs
         )
 
     def _record(self, output: SchedulerOutput, update: UpdateOutput, finished: list[Request]) -> None:
@@ -277,6 +336,8 @@ class LLMEngine:
                 running=tuple(r.request_id for r in self.scheduler.running),
                 num_free_blocks=kv.num_free_blocks,
                 cached_blocks=tuple(sorted(kv.pool.hash_to_block.values())),
+                forked=update.forked,
+                copied=output.copies,
                 evicted=kv.pool.take_evicted(),
             )
         )

@@ -27,6 +27,8 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Sampling settings of one request (vLLM's names and defaults).
 
+    n: how many samples to draw from the prompt; they share its KV blocks (copy-on-write) and, with a seed s,
+        sample i equals a separate request with seed s + i.
     temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
     top_p, top_k, min_p: nucleus, top-k (-1 or 0 = off) and min-p filtering, applied after temperature.
     seed: a per-request seed; the same seed gives the same tokens whatever else is in the batch.
@@ -73,8 +75,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.n > 1:
-            raise bad("n", "> 1 (parallel sampling) is not supported yet; submit n separate requests")
+        if self.n > 1 and self.temperature < _GREEDY_EPS:
+            raise bad("n", "> 1 needs temperature > 0: greedy samples would all be the same (use beam_search)")
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise bad("temperature", "must be >= 0")
         if not (0.0 < self.top_p <= 1.0):

@@ -92,7 +92,7 @@ def test_max_model_len_beyond_the_kv_cache_is_rejected_at_start():
         (dict(logprobs=-1), "logprobs"),
         (dict(seed="x"), "seed"),
         (dict(n=0), "n"),
-        (dict(n=2), "n"),
+        (dict(n=2, temperature=0), "n"),
     ],
 )
 def test_invalid_sampling_values_name_the_field(kwargs, field):

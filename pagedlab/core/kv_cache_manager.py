@@ -68,6 +68,8 @@ class KVCacheManager:
         self.block_tables: dict[str, BlockTable] = {}
         self.block_hashes: dict[str, list[BlockHash]] = {}  # hashes of each request's full blocks so far
         self.num_query_tokens = 0  # prefix-cache metrics, in tokens
+        self.num_cow_copies = 0
+        self._copies: list[tuple[str, int, int]] = []
         self.num_hit_tokens = 0
 
     @property
@@ -111,18 +113,32 @@ class KVCacheManager:
             self.num_hit_tokens += num_hit_blocks * self.block_size
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()
+        self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = (), write_from: int | None = None
     ) -> list[int] | None:
         """Make the request's table cover `num_tokens` token slots in all, starting with `computed_blocks`
-        (prefix-cache hits, for a request that holds no table yet).
+        (prefix-cache hits, for a request that holds no table yet), ready for writes from `write_from` on.
+
+        Copy-on-write: if the block that holds position `write_from` is shared (ref_count > 1, after a
+        fork), the request gets a private copy of it first. Only a partially filled last block can be
+        shared and written; full shared blocks are never copied.
+
+            before:  seq A [7, 1]  seq B [7, 1]    block 1 shared, 2/4 filled, B writes slot 3
+            after:   seq A [7, 1]  seq B [7, 3]    block 3 = copy of 1 (pending copy 1 -> 3)
 
         Returns the blocks newly allocated (possibly none), or None, changing nothing, when too few are free.
+        The copies to make are collected for `take_copies()`.
         """
         table = self.block_tables.get(request_id)
         num_held = len(table.block_ids) if table is not None else 0
-        num_new_blocks = self.num_blocks_for(num_tokens) - num_held - len(computed_blocks)
+        num_new_blocks = max(self.num_blocks_for(num_tokens) - num_held - len(computed_blocks), 0)
         num_free_hits = sum(1 for b in computed_blocks if self.pool.is_free(b))  # taking them uses free room
-        if max(num_new_blocks, 0) + num_free_hits > self.pool.num_free_blocks:
+        shared_index = None
+        if table is not None and write_from is not None and write_from // self.block_size < num_held:
+            index = write_from // self.block_size
+            if self.pool.ref_count[table.block_ids[index]] > 1:
+                shared_index = index
+        num_copies = shared_index is not None
+        if num_new_blocks + num_copies + num_free_hits > self.pool.num_free_blocks:
             return None
         if table is None:
             table = self.block_tables[request_id] = BlockTable(self.block_size)
@@ -131,10 +147,31 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             table.block_ids.extend(computed_blocks)
             self.block_hashes[request_id] = [self.pool.block_hash[b] for b in computed_blocks]
-        new_block_ids = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
-        table.block_ids.extend(new_block_ids)
+        new_block_ids = self.pool.allocate(num_new_blocks + num_copies)
+        if shared_index is not None:
+            source, copy = table.block_ids[shared_index], new_block_ids.pop()
+            table.block_ids[shared_index] = copy
+            self.pool.free([source])  # one holder fewer; the others keep reading it
+            self._copies.append((request_id, source, copy))
+            self.num_cow_copies += 1
+            new_block_ids.append(copy)
+        table.block_ids.extend(new_block_ids[: len(new_block_ids) - num_copies])
         table.num_tokens = max(table.num_tokens, num_tokens)
         return new_block_ids
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` a table sharing every block of the parent's (each block gets one holder more)."""
+        parent = self.block_tables[parent_id]
+        assert child_id not in self.block_tables
+        self.block_tables[child_id] = BlockTable(self.block_size, list(parent.block_ids), parent.num_tokens)
+        self.pool.share(parent.block_ids)
+        if parent_id in self.block_hashes:
+            self.block_hashes[child_id] = list(self.block_hashes[parent_id])
+
+    def take_copies(self) -> tuple[tuple[str, int, int], ...]:
+        """The copy-on-write copies (request_id, source block, copy) made since the last call."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
 
     def cache_full_blocks(
         self, request_id: str, num_computed_tokens: int, token_ids: Callable[[int, int], list[int]],

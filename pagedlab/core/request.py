@@ -50,10 +50,13 @@ class Request:
         eos_token_ids: frozenset[int],
         prompt: str | None = None,
         cache_salt: str | None = None,
+        sample_index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.cache_salt = cache_salt  # an extra prefix-cache key: equal tokens with other salts never share KV
+        self.sample_index = sample_index  # which of the n samples of its group this sequence is
+        self.forked = False  # set once the n - 1 other samples have been forked from this one
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index
@@ -65,7 +68,8 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.text = ""
+        self.text = ""  # set when a stop string ends the request: the output text, cut before it
+        self.delta_seen = (0, 0)  # tokens and characters already returned, for DELTA outputs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,6 +95,32 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_fork(self) -> bool:
+        """True for the first sample of an n > 1 request until its prompt is done and the others fork."""
+        return self.sampling_params.n > 1 and not self.forked
+
+    @property
+    def num_seqs(self) -> int:
+        """How many running sequences the request will count as (n until it forks, then 1 each)."""
+        return self.sampling_params.n if self.needs_fork else 1
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """First come, first served: by arrival, then by sample index within a group."""
+        return (self.arrival_index, self.sample_index)
+
+    def fork(self, request_id: str, sample_index: int, sampling_params: SamplingParams) -> Request:
+        """A new sequence with this one's tokens so far (its KV blocks are shared by the block manager)."""
+        child = Request(
+            request_id, self.prompt_token_ids, sampling_params, self.arrival_index, self.max_tokens,
+            self.eos_token_ids, self.prompt, self.cache_salt, sample_index,
+        )  # fmt: skip
+        child.output_token_ids = list(self.output_token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.num_computed_tokens = self.num_computed_tokens
+        return child
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -52,6 +52,7 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     allocated: tuple[tuple[str, tuple[int, ...]], ...]  # (request_id, blocks added to its table)
     preempted: tuple[str, ...]
+    copies: tuple[tuple[str, int, int], ...] = ()  # copy-on-write: (request_id, source block, its copy)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,6 +67,7 @@ class SchedulerOutput:
 class UpdateOutput:
     appended: tuple[tuple[str, int], ...]  # (request_id, token_id) sampled this step
     finished: tuple[Request, ...]
+    forked: tuple[tuple[str, str], ...] = ()  # (parent, child) sequences that now share blocks
 
 
 class Scheduler:
@@ -73,7 +75,8 @@ class Scheduler:
 
     Invariants:
       - every unfinished request is in exactly one of `waiting` and `running`; finished ones in neither;
-      - `running` is sorted by arrival, and len(running) <= max_num_seqs;
+      - `running` is sorted by arrival (then sample index), and it counts at most max_num_seqs sequences
+        (an n > 1 request that has not forked yet counts n);
       - a running request holds a block table covering at least its computed tokens; a waiting one holds none;
       - the block manager's own invariants hold.
     """
@@ -159,15 +162,15 @@ class Scheduler:
             if num_new_tokens == 0:
                 i += 1
                 continue
-            total = request.num_computed_tokens + num_new_tokens
-            new_blocks = self.kv.allocate_slots(request.request_id, total)
+            start = request.num_computed_tokens
+            new_blocks = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
             while new_blocks is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request.request_id, total)
+                new_blocks = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
             if new_blocks is None:
                 break  # the request preempted itself: it was the newest, nothing after it runs
             admit(request, num_new_tokens, new_blocks)
@@ -175,8 +178,10 @@ class Scheduler:
 
         # 2. Waiting requests, first come first served, unless this step had to preempt. With prefix caching a
         #    request starts from its longest cached prefix and computes only the rest.
-        while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        while not preempted and self.waiting and budget > 0:
             request = self.waiting[0]
+            if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
+                break
             hits = self.kv.get_computed_blocks(request.token_ids(0, request.num_tokens), request.cache_salt)
             num_cached = len(hits) * self.kv.block_size
             request.num_computed_tokens = num_cached
@@ -190,16 +195,31 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.record_prefix_query(request.num_tokens, len(hits))
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+            bisect.insort(self.running, request, key=Request.order.fget)
             admit(request, num_new_tokens, new_blocks)
 
         self.num_steps += 1
-        return SchedulerOutput(self.num_steps, tuple(scheduled), tuple(allocated), tuple(preempted))
+        copies = self.kv.take_copies()
+        return SchedulerOutput(self.num_steps, tuple(scheduled), tuple(allocated), tuple(preempted), copies)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> UpdateOutput:
-        """Advance each scheduled request by what was computed, append the sampled tokens, finish the done."""
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(r.num_seqs for r in self.running)
+
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        forks: Mapping[str, list[Request]] | None = None,
+    ) -> UpdateOutput:
+        """Advance each scheduled request by what was computed, append the sampled tokens, finish the done.
+
+        `forks` maps a request that has just sampled its first token to the other samples of its group
+        (n > 1): they join the running queue sharing all its blocks, each with its own sampled token.
+        """
         appended: list[tuple[str, int]] = []
         finished: list[Request] = []
+        forked: list[tuple[str, str]] = []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -210,13 +230,25 @@ class Scheduler:
             )
             if not scheduled.samples:
                 continue
-            token_id = sampled[scheduled.request_id]
-            request.append_token(token_id)
-            appended.append((scheduled.request_id, token_id))
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                finished.append(self.finish_request(scheduled.request_id, status))
-        return UpdateOutput(tuple(appended), tuple(finished))
+            group = [request]
+            if forks and request.request_id in forks:
+                request.forked = True
+                for child in forks[request.request_id]:
+                    child.num_computed_tokens = request.num_computed_tokens
+                    self.kv.fork(request.request_id, child.request_id)
+                    self.requests[child.request_id] = child
+                    child.status = RequestStatus.RUNNING
+                    bisect.insort(self.running, child, key=Request.order.fget)
+                    forked.append((request.request_id, child.request_id))
+                    group.append(child)
+            for sequence in group:
+                token_id = sampled[sequence.request_id]
+                sequence.append_token(token_id)
+                appended.append((sequence.request_id, token_id))
+                status = sequence.check_stop(self.config.max_model_len)
+                if status is not None:
+                    finished.append(self.finish_request(sequence.request_id, status))
+        return UpdateOutput(tuple(appended), tuple(finished), tuple(forked))
 
     # -- checks -------------------------------------------------------------------------------------------
 
@@ -226,9 +258,9 @@ class Scheduler:
         running_ids = {r.request_id for r in self.running}
         assert not waiting_ids & running_ids, f"in both queues: {waiting_ids & running_ids}"
         assert waiting_ids | running_ids == set(self.requests), "a request is lost or finished but queued"
-        assert len(self.running) <= self.config.max_num_seqs
-        arrivals = [r.arrival_index for r in self.running]
-        assert arrivals == sorted(arrivals), "running is not in arrival order"
+        assert self.num_running_seqs <= self.config.max_num_seqs
+        orders = [r.order for r in self.running]
+        assert orders == sorted(orders), "running is not in arrival order"
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
             table = self.kv.block_tables.get(request.request_id)

@@ -36,6 +36,8 @@ class StepRecord:
     num_free_blocks: int
     cached_blocks: tuple[int, ...] = ()  # blocks findable by content hash (in use or free), prefix caching
     evicted: tuple[int, ...] = ()  # cached blocks handed out again this step (their hash is gone)
+    forked: tuple[tuple[str, str], ...] = ()  # (parent, child): the child now shares all the parent's blocks
+    copied: tuple[tuple[str, int, int], ...] = ()  # copy-on-write (request_id, shared block, its private copy)
 
     @property
     def num_batched_tokens(self) -> int:

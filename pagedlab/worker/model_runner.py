@@ -24,11 +24,16 @@ from pagedlab.worker.sampler import Sampler, SamplerOutput, SamplingRequest
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One request's part of a step, with what the runner needs to read its tokens and slots."""
+    """One request's part of a step, with what the runner needs to read its tokens and slots.
+
+    `forks` are the other samples of an n > 1 request that sample their first token from this request's
+    last row of logits (the prompt is computed once).
+    """
 
     request: Request
     scheduled: ScheduledRequest
     block_table: BlockTable
+    forks: tuple[Request, ...] = ()
 
 
 @contextlib.contextmanager
@@ -63,6 +68,12 @@ class ModelRunner:
         if block_ids:
             self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy whole blocks (every layer, K and V) in one indexed copy, source -> copy."""
+        if copies:
+            source, target = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+            self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
+
     def execute(self, items: list[WorkItem]) -> dict[str, tuple[int, dict[int, float] | None]]:
         """Compute the step; return {request_id: (token_id, logprobs)} for the requests that sample."""
         items = sorted(items, key=lambda item: not item.scheduled.is_decode)  # decodes first
@@ -76,7 +87,12 @@ class ModelRunner:
                 logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
                 pagedlab_context=context,
             ).logits[0]
-            sampling = [self._sampling_request(item.request) for item in items if item.scheduled.samples]
+            sampling = [
+                self._sampling_request(request)
+                for item in items
+                if item.scheduled.samples
+                for request in (item.request, *item.forks)
+            ]
             out: SamplerOutput = self.sampler(logits, sampling)
         return {
             row.request_id: (token_id, logprobs)
@@ -113,7 +129,7 @@ class ModelRunner:
             positions.extend(range(start, stop))
             slots.extend(table.slot(p) for p in range(start, stop))
             if s.samples:
-                sample_rows.append(row + s.num_new_tokens - 1)
+                sample_rows.extend([row + s.num_new_tokens - 1] * (1 + len(item.forks)))
             num_blocks = -(-stop // block_size)
             if s.is_decode:
                 decode_tables.append(table.block_ids[:num_blocks])

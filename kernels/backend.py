@@ -1,0 +1,64 @@
+"""The Triton attention backend: the body of `paged_attention_forward` (pagedlab/worker/attention.py), kernels
+instead of torch, with exactly the same contract.
+
+    triton_attention(q, k, v, key_cache, value_cache, metadata, scale, sliding_window) -> out
+
+stores the step's new K/V at `metadata.slot_mapping` (store_kv), runs the decode kernel on the first
+`metadata.num_decodes` rows and the prefill kernel on the `metadata.prefills` chunks, whose rows follow the
+decodes back to back (the flat batch drawn at the top of attention.py).
+
+# Explained in chapters/03_paged_attention.ipynb
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_decode import paged_decode
+from .paged_prefill import paged_prefill
+from .store_kv import store_kv
+
+
+def prefill_tensors(prefills, device: torch.device):
+    """The dense kernel inputs of a list of `PrefillChunk`s: (query_start_loc [n+1], num_context [n],
+    block_tables [n, max_blocks] padded with block 0, longest chunk). Chunks must be back to back."""
+    for before, after in zip(prefills, prefills[1:]):
+        if before.end != after.start:
+            raise ValueError(f"prefill chunks must be back to back: one ends at row {before.end}, "
+                             f"the next starts at row {after.start}")  # fmt: skip
+    query_start_loc = torch.tensor([c.start for c in prefills] + [prefills[-1].end], dtype=torch.int32)
+    num_context = torch.tensor([c.num_context for c in prefills], dtype=torch.int32)
+    block_tables = torch.nn.utils.rnn.pad_sequence(
+        [c.block_ids.to(device=device, dtype=torch.int32) for c in prefills], batch_first=True, padding_value=0
+    )
+    max_num_new = max(c.end - c.start for c in prefills)
+    return query_start_loc.to(device), num_context.to(device), block_tables, max_num_new
+
+
+def triton_attention(
+    q: torch.Tensor,  # [num_tokens, q_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], written in place
+    value_cache: torch.Tensor,
+    metadata,  # pagedlab.worker.attention.AttentionMetadata
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Returns out [num_tokens, q_heads, head_dim], like the torch path (rows outside every chunk and past the
+    decodes are left uninitialised, as there)."""
+    store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        paged_decode(
+            q[:num_decodes], key_cache, value_cache, metadata.decode_block_tables, metadata.decode_context_lens,
+            scale, sliding_window, out=out[:num_decodes],
+        )  # fmt: skip
+    if metadata.prefills:
+        query_start_loc, num_context, block_tables, max_num_new = prefill_tensors(metadata.prefills, q.device)
+        paged_prefill(
+            q, key_cache, value_cache, query_start_loc, num_context, block_tables, scale, sliding_window,
+            max_num_new=max_num_new, out=out,
+        )  # fmt: skip
+    return out

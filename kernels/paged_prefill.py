@@ -1,0 +1,163 @@
+"""Paged prefill attention: a ragged batch of query chunks, each attending causally to its cached context and
+to itself, all read through the block tables (the chunks' own K/V are already in the cache).
+
+    rows of query:  [ chunk 0 (n0 rows) | chunk 1 (n1 rows) | ... ]      query_start_loc = [s0, s1, s2, ...]
+    chunk c, row i: position num_context[c] + i; sees keys 0 .. num_context[c] + i of sequence c
+                    (and only the last `sliding_window` of them: q - k < window)
+
+Reference: `pagedlab.kernels.reference.paged_prefill_reference` (and `prefill_attention` in
+pagedlab/worker/attention.py). Version v1: one program per (query tile, sequence, KV head).
+
+A program's tile packs BLOCK_Q consecutive query tokens times the GROUP query heads that share its KV head
+(padded to BLOCK_G, a power of two) into BLOCK_M = BLOCK_Q * BLOCK_G rows, row r = token r // BLOCK_G, head
+r % BLOCK_G, as vLLM's unified Triton attention does: each K/V tile is loaded once for the whole group, and
+the scores are one [BLOCK_M, head_dim] x [head_dim, BLOCK_N] dot. It walks its keys with the online softmax
+derived in `paged_decode.py`; here a row may find no visible key in a tile (causal or window mask), so the
+running max can still be -inf and is replaced by 0 in the exponents (alpha = 2^(-inf) = 0 then, as wanted).
+Only keys up to the tile's last query position are read. Dim 0 of the grid covers the longest chunk, so the
+tiles of shorter chunks that fall past their end do nothing.
+
+# Explained in chapters/03_paged_attention.ipynb
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_decode import check_cache, check_devices, check_int, dot_in_fp32
+
+BLOCK_M = 64  # query rows (token, head) per program
+
+
+@triton.jit
+def paged_prefill_kernel(
+    out_ptr, query_ptr,  # [num_tokens, q_heads, head_dim], unit dim stride
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim], unit dim stride
+    block_tables_ptr, query_start_loc_ptr, num_context_ptr,  # [num_seqs, max_blocks], [num_seqs + 1], [num_seqs]
+    scale_log2e, sliding_window,
+    stride_out_token, stride_out_head, stride_query_token, stride_query_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Grid (cdiv(longest chunk, BLOCK_Q), num_seqs, kv_heads)."""
+    tl.static_assert(BLOCK_G >= GROUP, "the query head group must fit in BLOCK_G")
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "the head dim must fit in BLOCK_D")
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    first_row = tl.load(query_start_loc_ptr + seq)
+    num_new = tl.load(query_start_loc_ptr + seq + 1) - first_row
+    num_cached = tl.load(num_context_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)  # BLOCK_M rows
+    tokens = tile * BLOCK_Q + rows // BLOCK_G  # index in the chunk
+    heads = kv_head * GROUP + rows % BLOCK_G  # query head
+    row_mask = (tokens < num_new) & (rows % BLOCK_G < GROUP)
+    query_pos = num_cached + tokens  # [BLOCK_M] position in the sequence
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    query_rows = (first_row + tokens)[:, None] * stride_query_token + heads[:, None] * stride_query_head
+    query = tl.load(query_ptr + query_rows + dims[None, :], mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if DOT_FP32:
+        query = query.to(tl.float32)
+
+    # keys [first_pos, end_pos): up to the tile's last query, from its first query's window start
+    first_token = tile * BLOCK_Q
+    end_pos = tl.where(first_token < num_new, num_cached + tl.minimum(first_token + BLOCK_Q, num_new), 0)
+    first_pos = tl.maximum(num_cached + first_token - sliding_window + 1, 0) if HAS_WINDOW else 0
+    block_table_ptr = block_tables_ptr + seq * stride_table_seq
+    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    o = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    for tile_start in range(first_pos - first_pos % BLOCK_N, end_pos, BLOCK_N):
+        key_pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = (key_pos >= first_pos) & (key_pos < end_pos)
+        block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot_offsets = block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+        kv_offsets = kv_head * stride_cache_head + slot_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        key = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        value = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            key, value = key.to(tl.float32), value.to(tl.float32)
+
+        visible = valid[None, :] & (key_pos[None, :] <= query_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        if HAS_WINDOW:
+            visible = visible & (query_pos[:, None] - key_pos[None, :] < sliding_window)
+        scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale_log2e
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        o = o * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision="ieee")
+        m = m_new
+
+    out_rows = (first_row + tokens)[:, None] * stride_out_token + heads[:, None] * stride_out_head
+    out = o / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only in rows past the chunk's end, not stored
+    tl.store(out_ptr + out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill(
+    query: torch.Tensor,  # [num_tokens, q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], the chunks' K/V already stored
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, non-decreasing: chunk s is rows [loc[s], loc[s+1])
+    num_context: torch.Tensor,  # [num_seqs] int: tokens cached before each chunk
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int, covering num_context + chunk length tokens
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    *,
+    max_num_new: int | None = None,  # the longest chunk; computed (a device sync) when None
+    out: torch.Tensor | None = None,  # [num_tokens, q_heads, head_dim]; rows outside every chunk untouched
+) -> torch.Tensor:
+    """Causal attention of each chunk over its context and itself; returns `out`."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, q_heads, head_dim], got {tuple(query.shape)}")
+    check_cache(key_cache, value_cache, query)
+    num_seqs = num_context.shape[0] if num_context.dim() == 1 else -1
+    check_int(num_context, "num_context", (None,))
+    check_int(query_start_loc, "query_start_loc", (num_seqs + 1,))
+    check_int(block_tables, "block_tables", (num_seqs, None))
+    check_devices(query=query, key_cache=key_cache, value_cache=value_cache, query_start_loc=query_start_loc,
+                  num_context=num_context, block_tables=block_tables)  # fmt: skip
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be a {query.dtype} tensor of shape {tuple(query.shape)} with unit last stride")
+    if max_num_new is None:
+        max_num_new = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    if num_seqs == 0 or max_num_new == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+
+    num_q_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    group = num_q_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = max(1, BLOCK_M // block_g)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    scale = head_dim**-0.5 if scale is None else scale
+    grid = (triton.cdiv(max_num_new, block_q), num_seqs, num_kv_heads)
+    paged_prefill_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_start_loc.contiguous(), num_context.contiguous(),
+        scale * math.log2(math.e), sliding_window or 0,  # the window is ignored unless HAS_WINDOW
+        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None,
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32,
+        DOT_FP32=dot_in_fp32(query.dtype),
+    )  # fmt: skip
+    return out
