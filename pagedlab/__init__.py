@@ -23,6 +23,8 @@ _EXPORTS = {
     "RequestOutput": "pagedlab.outputs",
     "CompletionOutput": "pagedlab.outputs",
     "EngineStats": "pagedlab.outputs",
+    "BeamSearchParams": "pagedlab.beam_search",
+    "BeamSearchOutput": "pagedlab.beam_search",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedlab.beam_search import BeamGroup, BeamSearchParams
 from pagedlab.config import EngineConfig
 from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.request import Request, RequestStatus
@@ -99,6 +100,7 @@ class LLMEngine:
         self.trace = Trace(num_blocks, config.block_size)
         self._groups: dict[str, _Group] = {}  # unfinished user requests
         self._sequences: dict[str, Request] = {}  # their sequences, finished ones too, until the group ends
+        self._beam_groups: dict[str, BeamGroup] = {}  # unfinished beam-search requests
         self._num_arrivals = 0
         self._peak_used_blocks = 0
         self._num_computed_tokens = 0
@@ -128,7 +130,7 @@ class LLMEngine:
         if request_id is None:
             request_id = str(self._num_arrivals)
         request_id = str(request_id)
-        if request_id in self._groups or request_id in self._sequences:
+        if request_id in self._groups or request_id in self._sequences or request_id in self._beam_groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -139,6 +141,23 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self._groups[request_id] = _Group(request_id, [request])
         self._sequences[request_id] = request
+        return request_id
+
+    def add_beam_request(self, request_id: str | None, prompt: PromptType, params: BeamSearchParams) -> str:
+        """Queue a beam-search request (see `pagedlab.beam_search`). Its output comes when it finishes."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        _, token_ids = self._tokenize(prompt)
+        room = self.max_model_len - len(token_ids)
+        # the beam step decides when beams end; the sequences themselves never stop on their own
+        request_id = self.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+        root = self._groups.pop(request_id).sequences[0]
+        root.is_beam = True
+        root.group_size = params.beam_width
+        self._beam_groups[request_id] = BeamGroup(
+            request_id, params, self.eos_token_ids, min(params.max_tokens, room), {request_id: 0.0}, {request_id: ()},
+            prompt=root.prompt, prompt_token_ids=root.prompt_token_ids,
+        )  # fmt: skip
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -186,13 +205,15 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             group = self._groups.pop(rid, None)
-            if group is None:
+            beam_group = self._beam_groups.pop(rid, None)
+            if group is None and beam_group is None:
                 logger.warning("abort_request: no unfinished request has id %r; nothing to abort", rid)
                 continue
-            for sequence in group.sequences:
-                if self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ABORTED):
-                    self.model_runner.forget(sequence.request_id)
-                del self._sequences[sequence.request_id]
+            sequence_ids = [s.request_id for s in group.sequences] if group is not None else list(beam_group.beams)
+            for sequence_id in sequence_ids:
+                if self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_ABORTED):
+                    self.model_runner.forget(sequence_id)
+                del self._sequences[sequence_id]
             self._num_finished += 1
 
     def reset_prefix_cache(self) -> bool:
@@ -206,7 +227,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self._groups) + len(self._beam_groups)
 
     # -- one step -----------------------------------------------------------------------------------------
 
@@ -219,6 +240,7 @@ class LLMEngine:
             if s.samples and self._sequences[s.request_id].needs_fork
         }
         sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
+        beam_logprobs: dict = {}
         if not output.is_empty:
             kv = self.kv_cache_manager
             items = [
@@ -227,7 +249,8 @@ class LLMEngine:
             ]  # fmt: skip
             self.model_runner.zero_blocks([b for _, blocks in output.allocated for b in blocks])
             self.model_runner.copy_blocks([(source, copy) for _, source, copy in output.copies])
-            sampled = self.model_runner.execute(items)
+            runner_output = self.model_runner.execute(items)
+            sampled, beam_logprobs = runner_output.sampled, runner_output.beam_logprobs
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv_cache_manager.pool.num_used_blocks)
         self._num_computed_tokens += output.num_batched_tokens
         tokens = {rid: token for rid, (token, _) in sampled.items()}
@@ -247,9 +270,65 @@ class LLMEngine:
         self._num_generated_tokens += len(update.appended)
         for sequence in finished:
             self.model_runner.forget(sequence.request_id)
+        beam_outputs, pruned = self._beam_steps(beam_logprobs)
         if self.config.record_trace:
-            self._record(output, update, finished)
-        return self._outputs({rid for rid, _ in update.appended} | {s.request_id for s in finished})
+            self._record(output, update, finished + pruned)
+        return self._outputs({rid for rid, _ in update.appended} | {s.request_id for s in finished}) + beam_outputs
+
+    def _beam_steps(self, beam_logprobs: dict) -> tuple[list[RequestOutput], list[Request]]:
+        """Give each beam group its new log-probabilities; run a beam step for every group that has them all."""
+        ready = []
+        for sequence_id, logprobs in beam_logprobs.items():
+            group = self._beam_groups[self._group_id(sequence_id)]
+            group.ready[sequence_id] = logprobs
+            if group.is_ready and group not in ready:
+                ready.append(group)
+        outputs, pruned = [], []
+        for group in ready:
+            pruned += self._beam_step(group)
+            if not group.beams:
+                outputs.append(self._beam_output(group))
+        return outputs, pruned
+
+    def _beam_step(self, group: BeamGroup) -> list[Request]:
+        """Apply a beam step: fork parents chosen more than once, extend the others in place, free the rest.
+        Returns the sequences it freed."""
+        plan = group.step()
+        beams, generated, extended = {}, {}, []
+        for continuation in plan.continuations:
+            parent = self._sequences[continuation.parent]
+            if continuation.parent not in beams:
+                sequence = parent  # the first continuation of a beam reuses its sequence; appended below
+                extended.append((parent, continuation.token_id))
+            else:
+                group.num_forks += 1
+                sequence = parent.fork(f"{group.request_id}:b{group.num_forks}", group.num_forks, parent.sampling_params)
+                self.scheduler.add_fork(parent, sequence)  # before the parent grows: they share its blocks
+                sequence.append_token(continuation.token_id)
+                self._sequences[sequence.request_id] = sequence
+            beams[sequence.request_id] = continuation.cum_logprob
+            generated[sequence.request_id] = group.generated[continuation.parent] + (continuation.token_id,)
+        for parent, token_id in extended:
+            parent.append_token(token_id)
+        freed = []
+        for sequence_id in plan.pruned:
+            freed.append(self.scheduler.finish_request(sequence_id, RequestStatus.FINISHED_STOPPED))
+            del self._sequences[sequence_id]
+        group.beams, group.generated = beams, generated  # in rank order, best first
+        self._num_generated_tokens += len(plan.continuations)
+        return freed
+
+    def _beam_output(self, group: BeamGroup) -> RequestOutput:
+        del self._beam_groups[group.request_id]
+        self._num_finished += 1
+        completions = [
+            CompletionOutput(
+                i, self._decode_ids(h.token_ids, True), list(h.token_ids), h.finish_reason,
+                cumulative_logprob=h.cum_logprob,
+            )
+            for i, h in enumerate(group.finished)
+        ]  # fmt: skip
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True)
 
     def _fork_samples(self, first: Request) -> list[Request]:
         """The other n - 1 samples of a request; sample i draws with seed + i when a seed was given."""
@@ -277,7 +356,9 @@ class LLMEngine:
         return outputs
 
     def _group_id(self, sequence_id: str) -> str:
-        return sequence_id if sequence_id in self._groups else sequence_id.rpartition(":")[0]
+        if sequence_id in self._groups or sequence_id in self._beam_groups:
+            return sequence_id
+        return sequence_id.rpartition(":")[0]
 
     def _hit_stop_string(self, request: Request) -> bool:
         """Detokenize and look for a stop string; on a hit, cut the text before it (vLLM's default)."""
@@ -291,10 +372,12 @@ class LLMEngine:
         return False
 
     def _decode(self, request: Request) -> str:
+        return self._decode_ids(request.output_token_ids, request.sampling_params.skip_special_tokens)
+
+    def _decode_ids(self, token_ids, skip_special_tokens: bool) -> str:
         if self.tokenizer is None:
             return ""
-        skip = request.sampling_params.skip_special_tokens
-        return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def _make_output(self, group: _Group) -> RequestOutput | None:
         first = group.sequences[0]

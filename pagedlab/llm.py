@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from pagedlab.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedlab.engine import LLMEngine, PromptType, with_output_kind
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
@@ -62,6 +63,29 @@ class LLM:
             engine.abort_request(request_ids)  # a bad prompt: none of this call's requests stay behind
             raise
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's API shape), run inside the engine; best sequence first."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt in prompts:
+                request_ids.append(engine.add_beam_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(request_ids)
+            raise
+        results = []
+        for output in self._run(request_ids, use_tqdm):
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob,
+                                   c.cumulative_logprob / len(c.token_ids) ** params.length_penalty, c.finish_reason)
+                for c in output.outputs
+            ]))  # fmt: skip
+        return results
 
     def chat(
         self,

@@ -13,6 +13,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", or None while generating
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it, if any
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    cumulative_logprob: float | None = None  # beam search: the sequence's summed log-probability
 
     @property
     def finished(self) -> bool:

@@ -157,7 +157,7 @@ def scheduler_setups(draw, chunked: bool):
 class SchedulerMachine(RuleBasedStateMachine):
     """Drive a Scheduler with a fake model; check budgets, preemption order, finishing and liveness."""
 
-    MAX_TEARDOWN_STEPS = 10_000
+    MAX_TEARDOWN_STEPS = 10_000  # a cap; the bound used is usually much lower (see teardown)
 
     def _setup(self, setup) -> None:
         config, num_blocks, block_size = setup
@@ -259,6 +259,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens_before = {rid: r.num_tokens for rid, r in scheduler.requests.items()}
         free_before = set(self.kv.pool.free_block_ids())
         had_unfinished = scheduler.has_unfinished_requests()
+        oldest = min(scheduler.requests.values(), key=lambda r: r.arrival_index, default=None)
         scheduler.take_freed_blocks()
 
         out = scheduler.schedule()
@@ -269,6 +270,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(scheduler.running) <= config.max_num_seqs
         if had_unfinished:
             assert not out.is_empty, "a step with unfinished requests scheduled nothing"
+            # No starvation: the oldest request runs first with the whole budget and is never the victim.
+            assert oldest.request_id in ids, f"the oldest request {oldest.request_id} was not scheduled"
         for s in out.scheduled:
             request = scheduler.requests[s.request_id]
             assert request.status == RequestStatus.RUNNING
@@ -375,13 +378,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
             return
-        for _ in range(self.MAX_TEARDOWN_STEPS):
+        # Liveness. The oldest unfinished request is scheduled every step and needs at most max_model_len
+        # tokens, one step each at worst, so the requests finish one by one within this many steps. A tight
+        # bound keeps a livelocking regression from making shrinking crawl.
+        max_steps = min(self.MAX_TEARDOWN_STEPS, len(self.scheduler.requests) * (self.config.max_model_len + 1))
+        for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
                 break
             self._step()
             self.scheduler_invariants()
         assert not self.scheduler.has_unfinished_requests(), (
-            f"not finished after {self.MAX_TEARDOWN_STEPS} steps: {list(self.scheduler.requests.values())}"
+            f"not finished after {max_steps} steps: {list(self.scheduler.requests.values())}"
         )
         self._check_bookkeeping()
         assert self.kv.num_free_blocks == self.num_blocks

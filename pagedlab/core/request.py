@@ -57,6 +57,8 @@ class Request:
         self.cache_salt = cache_salt  # an extra prefix-cache key: equal tokens with other salts never share KV
         self.sample_index = sample_index  # which of the n samples of its group this sequence is
         self.forked = False  # set once the n - 1 other samples have been forked from this one
+        self.is_beam = False  # a beam-search sequence: the engine's beam step picks its tokens
+        self.group_size = sampling_params.n  # sequences the request grows into (n, or the beam width)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index
@@ -103,8 +105,8 @@ class Request:
 
     @property
     def num_seqs(self) -> int:
-        """How many running sequences the request will count as (n until it forks, then 1 each)."""
-        return self.sampling_params.n if self.needs_fork else 1
+        """How many running sequences it counts as: its group size until it has forked, then 1."""
+        return 1 if self.forked else self.group_size
 
     @property
     def order(self) -> tuple[int, int]:
@@ -120,6 +122,8 @@ class Request:
         child.output_token_ids = list(self.output_token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.num_computed_tokens = self.num_computed_tokens
+        child.is_beam = self.is_beam
+        child.forked = True
         return child
 
     def append_token(self, token_id: int) -> None:

@@ -115,6 +115,21 @@ class Scheduler:
         self._freed.extend(self.kv.free(request_id))
         return request
 
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """Queue `child`, a copy of `parent`: running and sharing all its blocks, or, if the parent was
+        preempted, waiting right behind it (to be recomputed like it)."""
+        assert not parent.is_finished and child.request_id not in self.requests
+        self.requests[child.request_id] = child
+        if parent.status == RequestStatus.RUNNING:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.fork(parent.request_id, child.request_id)
+            child.status = RequestStatus.RUNNING
+            bisect.insort(self.running, child, key=Request.order.fget)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+
     def take_freed_blocks(self) -> tuple[int, ...]:
         freed, self._freed = tuple(self._freed), []
         return freed
@@ -230,15 +245,13 @@ class Scheduler:
             )
             if not scheduled.samples:
                 continue
+            if request.is_beam:
+                continue  # the engine's beam step decides what comes next
             group = [request]
             if forks and request.request_id in forks:
                 request.forked = True
                 for child in forks[request.request_id]:
-                    child.num_computed_tokens = request.num_computed_tokens
-                    self.kv.fork(request.request_id, child.request_id)
-                    self.requests[child.request_id] = child
-                    child.status = RequestStatus.RUNNING
-                    bisect.insort(self.running, child, key=Request.order.fget)
+                    self.add_fork(request, child)
                     forked.append((request.request_id, child.request_id))
                     group.append(child)
             for sequence in group:

@@ -36,6 +36,12 @@ class WorkItem:
     forks: tuple[Request, ...] = ()
 
 
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: dict[str, tuple[int, dict[int, float] | None]]  # request_id -> (token_id, logprobs if asked)
+    beam_logprobs: dict[str, torch.Tensor]  # beam sequence id -> [vocab_size] next-token log-probabilities
+
+
 @contextlib.contextmanager
 def _attention_implementation(model: torch.nn.Module, name: str):
     """Select an attention implementation for the duration of one call, then restore the model's own.
@@ -74,11 +80,13 @@ class ModelRunner:
             source, target = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
             self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
 
-    def execute(self, items: list[WorkItem]) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Compute the step; return {request_id: (token_id, logprobs)} for the requests that sample."""
+    def execute(self, items: list[WorkItem]) -> RunnerOutput:
+        """Compute the step: sample a token for each request that samples; beam-search sequences get their
+        next-token log-probabilities instead, for the engine's beam step to choose from."""
         items = sorted(items, key=lambda item: not item.scheduled.is_decode)  # decodes first
         input_ids, positions, slots, sample_rows, metadata = self._prepare(items)
         context = PagedAttentionContext(metadata, self.kv_cache)
+        rows = [request for item in items if item.scheduled.samples for request in (item.request, *item.forks)]
         with torch.inference_mode(), _attention_implementation(self.model, ATTENTION_NAME):
             logits = self.model(
                 input_ids=input_ids[None],
@@ -87,17 +95,17 @@ class ModelRunner:
                 logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
                 pagedlab_context=context,
             ).logits[0]
-            sampling = [
-                self._sampling_request(request)
-                for item in items
-                if item.scheduled.samples
-                for request in (item.request, *item.forks)
-            ]
-            out: SamplerOutput = self.sampler(logits, sampling)
-        return {
+            sampled_rows = [i for i, request in enumerate(rows) if not request.is_beam]
+            beam_rows = [i for i, request in enumerate(rows) if request.is_beam]
+            sampling = [self._sampling_request(rows[i]) for i in sampled_rows]
+            out: SamplerOutput = self.sampler(logits[sampled_rows] if beam_rows else logits, sampling)
+            beam_logprobs = torch.log_softmax(logits[beam_rows].float(), dim=-1) if beam_rows else None
+        sampled = {
             row.request_id: (token_id, logprobs)
             for row, token_id, logprobs in zip(sampling, out.token_ids, out.logprobs)
         }
+        beams = {rows[i].request_id: beam_logprobs[j] for j, i in enumerate(beam_rows)}
+        return RunnerOutput(sampled, beams)
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

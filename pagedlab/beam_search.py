@@ -1,0 +1,152 @@
+"""Beam search as a group of sequences inside the engine, with Hugging Face's exact selection rules.
+
+Each live beam is a sequence with its own block table. After every beam has its next-token log-probabilities,
+one *beam step* picks the continuations; the engine then forks the chosen parents (their blocks are shared,
+copy-on-write on the partial last block) and frees the beams that no continuation chose, at that very step.
+Memory therefore follows the distinct tokens of the beams, not beam_width x length.
+
+The selection follows `transformers`' `generate(num_beams=k, do_sample=False)`:
+  - take the top 2k (k x (1 + number of EOS ids), at least 2k) continuations over all beams by cumulative
+    log-probability; the best k that do not end (EOS, or the length limit) become the next beams;
+  - a continuation that ends and ranks in the top k is a finished hypothesis, scored
+    cum_logprob / generated_length ** length_penalty (its EOS counted); the best k hypotheses are kept;
+  - stop when no running beam can beat the worst kept hypothesis (`early_stopping=False`: judged at the current
+    length; "never": at the longest length when length_penalty > 0), when k hypotheses are kept
+    (`early_stopping=True`), or when every continuation ends.
+vLLM's own beam search differs (it scores every candidate with a length penalty over prompt + output and keeps
+going until max_tokens); pagedlab follows Hugging Face so that the two can be compared token for token.
+
+# Explained in chapters/04_copy_on_write.ipynb
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, plus Hugging Face's `early_stopping` (default False, as HF's)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"BeamSearchParams.early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+
+
+@dataclass(frozen=True)
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + generated, as vLLM's
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / len(generated) ** length_penalty
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass(frozen=True)
+class Continuation:
+    parent: str  # the beam (sequence id) it extends
+    token_id: int
+    cum_logprob: float
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    token_ids: tuple[int, ...]  # generated tokens
+    cum_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass
+class BeamPlan:
+    """What one beam step decided: the next beams in order, and the beams nobody continues."""
+
+    continuations: list[Continuation]
+    pruned: list[str]
+    done: bool
+
+
+@dataclass
+class BeamGroup:
+    """The state of one beam-search request between steps (pure bookkeeping; tensors only in `step`)."""
+
+    request_id: str
+    params: BeamSearchParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int  # params.max_tokens, capped by the room under max_model_len
+    beams: dict[str, float]  # live beam sequence id -> cumulative log-probability, best first
+    generated: dict[str, tuple[int, ...]]  # live beam -> its generated tokens
+    finished: list[Hypothesis] = field(default_factory=list)
+    num_generated: int = 0
+    improvable: bool = True
+    ready: dict[str, torch.Tensor] = field(default_factory=dict)  # beam -> next-token log-probs
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_forks: int = 0  # names the forked sequences: request_id:b1, :b2, ...
+
+    @property
+    def is_ready(self) -> bool:
+        return set(self.ready) >= set(self.beams)
+
+    def step(self) -> BeamPlan:
+        """Choose continuations from the log-probabilities of every live beam (see the module docstring)."""
+        k = self.params.beam_width
+        beam_ids = list(self.beams)
+        scores = torch.stack([self.ready[b] + self.beams[b] for b in beam_ids])  # [num_beams, vocab]
+        self.ready.clear()
+        vocab_size = scores.shape[-1]
+        num_eos = 0 if self.params.ignore_eos else len(self.eos_token_ids)
+        top_scores, top_indices = scores.flatten().topk(min(max(2, 1 + num_eos) * k, scores.numel()))
+        length = self.num_generated + 1
+        # judged on the state before this step, as HF does: no hypothesis joins once none can improve the
+        # kept ones, or once k are kept with early_stopping=True
+        accepting = self.improvable and not (self.params.early_stopping is True and len(self.finished) == k)
+        continuations: list[Continuation] = []
+        all_end = True
+        for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist())):
+            parent, token_id = beam_ids[index // vocab_size], index % vocab_size
+            ends_with_eos = not self.params.ignore_eos and token_id in self.eos_token_ids
+            if ends_with_eos or length >= self.max_tokens:
+                if rank < k and accepting:
+                    self._add_hypothesis(self.generated[parent] + (token_id,), score, length, ends_with_eos)
+                continue
+            all_end = False
+            if len(continuations) < k:
+                continuations.append(Continuation(parent, token_id, score))
+        self.num_generated = length
+        if continuations and len(self.finished) == k:
+            longest = self.params.early_stopping == "never" and self.params.length_penalty > 0
+            best_length = self.max_tokens if longest else length
+            best_possible = continuations[0].cum_logprob / best_length**self.params.length_penalty
+            self.improvable = self.improvable and best_possible > min(h.score for h in self.finished)
+        full = self.params.early_stopping is True and len(self.finished) == k
+        done = all_end or not self.improvable or full
+        parents = {c.parent for c in continuations} if not done else set()
+        return BeamPlan(continuations if not done else [], [b for b in beam_ids if b not in parents], done)
+
+    def _add_hypothesis(self, token_ids: tuple[int, ...], cum_logprob: float, length: int, eos: bool) -> None:
+        k = self.params.beam_width
+        score = cum_logprob / length**self.params.length_penalty
+        self.finished.append(Hypothesis(token_ids, cum_logprob, score, "stop" if eos else "length"))
+        self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties, as with HF's topk
+        del self.finished[k:]
