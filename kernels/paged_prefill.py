@@ -30,7 +30,13 @@ import triton.language as tl
 
 from .paged_decode import check_cache, check_devices, check_int, dot_in_fp32
 
-BLOCK_M = 64  # query rows (token, head) per program
+
+def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
+    """(BLOCK_M query rows, BLOCK_N keys) per tile: smaller for float32, whose exact ("ieee") dot runs on
+    FMA units, not tensor cores, and with 64 x 64 tiles needs 115 KB of shared memory (and 10 s to compile)."""
+    block_m = 64 if dtype.itemsize == 2 else 32
+    block_n = 64 if block_d * dtype.itemsize <= 256 else 32
+    return block_m, block_n
 
 
 @triton.jit
@@ -147,8 +153,9 @@ def paged_prefill(
     block_size, num_kv_heads = key_cache.shape[1:3]
     group = num_q_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
-    block_q = max(1, BLOCK_M // block_g)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n = tile_sizes(query.dtype, block_d)
+    block_q = max(1, block_m // block_g)
     scale = head_dim**-0.5 if scale is None else scale
     grid = (triton.cdiv(max_num_new, block_q), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
@@ -157,7 +164,7 @@ def paged_prefill(
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None,
-        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_FP32=dot_in_fp32(query.dtype),
     )  # fmt: skip
     return out

@@ -294,7 +294,7 @@ class ContiguousEngine:
                 n, computed = request.num_tokens, request.num_computed_tokens
                 scheduled = ScheduledRequest(request.request_id, computed, n - computed, samples=True)
                 items.append(WorkItem(request, scheduled, BlockTable(1, list(range(start, start + n)), n)))
-            sampled = self.model_runner.execute(items)
+            sampled = self.model_runner.execute(items).sampled
             num_running.append(len(running))
             for request, _ in running:
                 request.num_computed_tokens = request.num_tokens

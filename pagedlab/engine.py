@@ -234,6 +234,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the outputs of the requests that changed."""
         output = self.scheduler.schedule()
+        if output.is_empty and not output.preempted and self.scheduler.has_unfinished_requests():
+            raise RuntimeError(f"the scheduler made no progress: {self.scheduler.waiting=} {self.scheduler.running=}")
         forks = {
             s.request_id: self._fork_samples(self._sequences[s.request_id])
             for s in output.scheduled

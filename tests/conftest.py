@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
-from transformers import (
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU; set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,

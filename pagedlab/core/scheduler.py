@@ -144,15 +144,21 @@ class Scheduler:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute-style preemption: free every block; the request re-prefills all its tokens later."""
+    def _preempt(self, request: Request, behind: Request | None = None) -> None:
+        """Recompute-style preemption: free every block; the request re-prefills all its tokens later.
+
+        It goes to the front of the waiting queue (it arrived before anything waiting), or right `behind` a
+        given waiting request."""
         self.running.remove(request)
         self._freed.extend(self.kv.free(request.request_id))
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if behind is None:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.insert(self.waiting.index(behind) + 1, request)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -212,6 +218,13 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=Request.order.fget)
             admit(request, num_new_tokens, new_blocks)
+
+        # 3. Nothing could run, yet requests wait: the running ones are all idle (beams waiting for their
+        #    siblings' logits) and hold the blocks the waiting need. Preempt the newest; admit next step.
+        if not scheduled and self.waiting and self.running:
+            victim = self.running[-1]
+            self._preempt(victim, behind=self.waiting[0])  # the head of the queue goes first, or nothing moves
+            preempted.append(victim.request_id)
 
         self.num_steps += 1
         copies = self.kv.take_copies()

@@ -154,7 +154,7 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)
     write_to_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
 
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q (a transposed view)
     num_decodes = metadata.num_decodes
     if num_decodes:
         out[:num_decodes] = decode_attention(q[:num_decodes], key_cache, value_cache, metadata, scaling, sliding_window)

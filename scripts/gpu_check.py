@@ -1,0 +1,191 @@
+"""GPU check of the Triton kernels: the full correctness grid, then a decode micro-benchmark. CUDA only.
+
+    python scripts/gpu_check.py [--output gpu_check.md] [--skip-tests] [--skip-bench]
+
+1. Runs `python -m pytest tests/test_kernels.py -q` with PAGEDLAB_FULL_KERNEL_GRID=1 on the GPU (every kernel
+   against its torch reference, before anything is timed). Stops with exit status 1 if a test fails.
+2. Times the decode kernel on a Llama-3-8B-shaped layer (32 query heads over 8 KV heads, head_dim 128,
+   bfloat16, block size 16, every sequence's blocks scattered at random over the cache) for batch
+   {1, 16, 64, 256} x context {512, 2048, 8192}, after checking its output against
+   `torch.nn.functional.scaled_dot_product_attention` on the same context laid out contiguously
+   ([batch, kv_heads, context, head_dim], enable_gqa=True). Each call is captured in a CUDA graph and
+   replayed by `triton.testing.do_bench`, which flushes the L2 cache before every replay: the times are the
+   GPU's, without Python's launch overhead, reading K/V from HBM. Prints and writes this table:
+
+    # gpu_check: NVIDIA H200, 132 SMs, torch 2.x, triton 3.x
+    # decode: 32 query heads / 8 KV heads, head_dim 128, bfloat16, block_size 16
+    # device-to-device copy: 4150 GB/s (bytes read + bytes written, 1 GiB copy)
+    | batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel |
+    |------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:|
+    |     1 |     512 | v1      |       9.1 |  231 |   0.06  |   9.1 |       12.0 |    15.3 |          1.68 |
+    ...
+
+   batch, context: the decode batch and every sequence's context length; path: what `use_split_k` picked
+   (v1 or split-K) and "kernel us" its median time; GB/s: bytes the kernel must move (K and V of every
+   context token, query, output, block tables) per second; "of copy": that over the measured copy bandwidth
+   (the roofline: decode reads each cached byte once, so 1.0 is the ceiling); v1 us and split-K us: both
+   versions forced, to check the rule; SDPA us: torch's fused attention over the contiguous K/V;
+   SDPA / kernel > 1 means the paged kernel is faster. Small rows are launch-bound: expect low "of copy".
+
+The table also goes to --output (default gpu_check.md in the working directory). The whole script takes
+about 3 minutes on an H100/H200 on a first run, most of it Triton compiling the grid's kernel variants (cached
+in ~/.triton/cache afterwards). Without CUDA it prints why and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCHES = (1, 16, 64, 256)
+CONTEXTS = (512, 2048, 8192)
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def run_kernel_tests() -> bool:
+    env = {**os.environ, "PAGEDLAB_FULL_KERNEL_GRID": "1"}
+    env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU, not the interpreter
+    command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_kernels.py"), "-q", "-p", "no:cacheprovider"]
+    print(f"[1/2] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, env=env)
+    print(f"      {time.perf_counter() - start:.0f} s", flush=True)
+    return result.returncode == 0
+
+
+def gpu_time_us(fn) -> float:
+    """Median GPU time of fn() in microseconds: replayed from a CUDA graph, L2 flushed before each replay."""
+    import torch
+    from triton.testing import do_bench
+
+    fn()  # compile, and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        replay = graph.replay
+    except RuntimeError as error:  # a capture failure should not cost the whole table
+        print(f"      (CUDA graph capture failed, timing with launch overhead: {error})", flush=True)
+        replay = fn
+    return 1000 * do_bench(replay, warmup=10, rep=50, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB: (bytes read + bytes written) per second."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = gpu_time_us(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / seconds
+
+
+def benchmark(output: Path, device_name: str = "cuda") -> None:
+    import torch
+    import torch.nn.functional as F
+    import triton
+
+    from pagedlab.kernels.paged_decode import paged_decode, use_split_k
+
+    device = torch.device(device_name)
+    props = torch.cuda.get_device_properties(device)
+    dtype = torch.bfloat16
+    print(f"[2/2] decode micro-benchmark on {props.name}", flush=True)
+    copy_bw = copy_bandwidth()
+    lines = [
+        f"# gpu_check: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+        f"triton {triton.__version__}",
+        f"# decode: {NUM_Q_HEADS} query heads / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, bfloat16, "
+        f"block_size {BLOCK_SIZE}",
+        f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (bytes read + bytes written, 1 GiB copy)",
+        "| batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel |",
+        "|------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:|",
+    ]
+    print("\n".join(lines), flush=True)
+    generator = torch.Generator(device=device).manual_seed(0)
+    scale = HEAD_DIM**-0.5
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            blocks_per_seq = context // BLOCK_SIZE
+            num_blocks = batch * blocks_per_seq
+            shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+            key_cache = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+            value_cache = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+            block_tables = torch.randperm(num_blocks, generator=generator, device=device)
+            block_tables = block_tables.view(batch, blocks_per_seq).to(torch.int32)
+            context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            query = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=generator, device=device, dtype=dtype)
+            # the same context, contiguous: [batch, kv_heads, context, head_dim]
+            key = key_cache[block_tables.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+            value = value_cache[block_tables.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+            key, value = key.contiguous(), value.contiguous()
+
+            def sdpa():
+                return F.scaled_dot_product_attention(query[:, :, None], key, value, scale=scale, enable_gqa=True)
+
+            def kernel(split_k=None):
+                return paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, split_k=split_k)
+
+            expected = sdpa()[:, :, 0]
+            for split_k in (False, True):
+                torch.testing.assert_close(kernel(split_k), expected, atol=2e-2, rtol=2e-2)
+            auto = use_split_k(batch, context, NUM_KV_HEADS, props.multi_processor_count)
+            v1_us = gpu_time_us(lambda: kernel(False))
+            split_us = gpu_time_us(lambda: kernel(True))
+            sdpa_us = gpu_time_us(sdpa)
+            kernel_us = split_us if auto else v1_us
+            num_bytes = (2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V
+                         + 2 * query.numel() * dtype.itemsize + block_tables.numel() * 4)  # fmt: skip
+            bandwidth = num_bytes / (kernel_us / 1e6)
+            line = (
+                f"| {batch:5d} | {context:7d} | {'split-K' if auto else 'v1':7s} | {kernel_us:9.1f} "
+                f"| {bandwidth / 1e9:4.0f} | {bandwidth / copy_bw:7.2f} | {v1_us:5.1f} | {split_us:10.1f} "
+                f"| {sdpa_us:7.1f} | {sdpa_us / kernel_us:13.2f} |"
+            )
+            print(line, flush=True)
+            lines.append(line)
+            del key_cache, value_cache, key, value
+            torch.cuda.empty_cache()
+    output.write_text("\n".join(lines) + "\n")
+    print(f"table written to {output}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=Path("gpu_check.md"), help="where to write the table")
+    parser.add_argument("--skip-tests", action="store_true", help="only the benchmark")
+    parser.add_argument("--skip-bench", action="store_true", help="only the kernel grid")
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device (torch.cuda.is_available() is False), nothing to check here.\n"
+            "On a CPU, `python -m pytest tests/test_kernels.py` runs the kernels in Triton's interpreter.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("gpu_check: triton is not installed (pip install triton)", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    if not args.skip_tests and not run_kernel_tests():
+        print("gpu_check: the kernel grid failed; not benchmarking kernels that are wrong", file=sys.stderr)
+        return 1
+    if not args.skip_bench:
+        benchmark(args.output)
+    print(f"gpu_check: done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
