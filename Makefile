@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.pagedlab-installed
 
-.PHONY: install lab test test-fast chapters clean
+.PHONY: install lab test test-fast chapters gpu-check clean
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ test-fast: install
 chapters: install
 	@for nb in chapters/*.ipynb; do echo "running $$nb"; \
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+
+# On a CUDA machine: the full kernel grid, then the decode-kernel benchmark; writes gpu_check.md.
+gpu-check: install
+	$(PY) scripts/gpu_check.py --output gpu_check.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -17,6 +17,9 @@ class EngineConfig:
     enable_prefix_caching: keep the KV of full blocks findable by content, so that requests sharing a
         prefix compute it once (vLLM's --enable-prefix-caching).
     enable_chunked_prefill: split prompts longer than the step's token budget over several steps.
+    attention_backend: "torch" (the reference, any device), "triton" (the kernels of pagedlab.kernels; on CPU
+        they run in Triton's interpreter: slow, for stepping through them, and TRITON_INTERPRET=1 must be set
+        before anything imports triton), or "auto": Triton on CUDA when it is installed, else torch.
     seed: seeds the sampler of requests that bring no seed of their own.
     record_trace: keep a `StepRecord` of every step (what the chapters draw).
     """
@@ -30,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
+    attention_backend: str = "auto"
     seed: int = 0
     record_trace: bool = True
 
@@ -42,5 +46,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -96,7 +97,10 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
-        self.model_runner = ModelRunner(model, spec, num_blocks, config.block_size, config.seed)
+        self.attention_backend = _attention_backend(config.attention_backend, self.device)
+        self.model_runner = ModelRunner(
+            model, spec, num_blocks, config.block_size, config.seed, self.attention_backend
+        )
         self.trace = Trace(num_blocks, config.block_size)
         self._groups: dict[str, _Group] = {}  # unfinished user requests
         self._sequences: dict[str, Request] = {}  # their sequences, finished ones too, until the group ends
@@ -450,6 +454,25 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+def _attention_backend(name: str, device) -> str:
+    """Resolve "auto", and check that "triton" can run here."""
+    from pagedlab.kernels import HAS_TRITON
+
+    if name == "auto":
+        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    if name == "triton":
+        if not HAS_TRITON:
+            raise ValueError("attention_backend='triton' needs the triton package (Linux only); use 'torch'")
+        if device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    "attention_backend='triton' on CPU runs the kernels in Triton's interpreter, which must be "
+                    "switched on before triton is first imported: start Python with TRITON_INTERPRET=1"
+                )
+            logger.warning("attention_backend='triton' on CPU: the kernels run in Triton's interpreter (slow)")
+    return name
 
 
 def with_output_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:

@@ -334,3 +334,19 @@ def test_kernels_package_imports_no_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_engine_with_the_triton_backend_matches_torch():
+    """Greedy tokens with attention_backend='triton' (interpreted on CPU) equal the torch backend's."""
+    from pagedlab import LLM, SamplingParams
+    from tests.conftest import random_prompts, tiny_model
+
+    model = tiny_model("llama-gqa3-hd80")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 1, 9])]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model, block_size=4, num_kv_blocks=64, attention_backend=backend, enable_prefix_caching=True)
+        assert llm.llm_engine.attention_backend == backend
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts * 2, params, use_tqdm=False)]
+    assert results["triton"] == results["torch"]

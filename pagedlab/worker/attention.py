@@ -75,6 +75,7 @@ class PagedAttentionContext:
 
     metadata: AttentionMetadata
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    backend: str = "torch"  # "torch" (this file) or "triton" (pagedlab.kernels.backend)
 
 
 def write_to_cache(
@@ -152,6 +153,10 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [num_tokens, q_heads, head_dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    if pagedlab_context.backend == "triton":
+        from pagedlab.kernels.backend import triton_attention  # imported only when asked for: triton is optional
+
+        return triton_attention(q, k, v, key_cache, value_cache, metadata, scaling, sliding_window).unsqueeze(0), None
     write_to_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q (a transposed view)

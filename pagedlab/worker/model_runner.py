@@ -60,9 +60,11 @@ def _attention_implementation(model: torch.nn.Module, name: str):
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, seed: int
-    ) -> None:
+        self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, seed: int,
+        attention_backend: str = "torch",
+    ) -> None:  # fmt: skip
         self.model = model
+        self.attention_backend = attention_backend
         self.device = next(model.parameters()).device
         self.spec = spec
         self.block_size = block_size
@@ -85,7 +87,7 @@ class ModelRunner:
         next-token log-probabilities instead, for the engine's beam step to choose from."""
         items = sorted(items, key=lambda item: not item.scheduled.is_decode)  # decodes first
         input_ids, positions, slots, sample_rows, metadata = self._prepare(items)
-        context = PagedAttentionContext(metadata, self.kv_cache)
+        context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend)
         rows = [request for item in items if item.scheduled.samples for request in (item.request, *item.forks)]
         with torch.inference_mode(), _attention_implementation(self.model, ATTENTION_NAME):
             logits = self.model(
