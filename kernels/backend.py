@@ -56,7 +56,10 @@ def triton_attention(
             scale, sliding_window, out=out[:num_decodes],
         )  # fmt: skip
     if metadata.prefills:
-        query_start_loc, num_context, block_tables, max_num_new = prefill_tensors(metadata.prefills, q.device)
+        inputs = metadata.kernel_inputs.get("prefill")  # built once per step, not once per layer
+        if inputs is None:
+            inputs = metadata.kernel_inputs["prefill"] = prefill_tensors(metadata.prefills, q.device)
+        query_start_loc, num_context, block_tables, max_num_new = inputs
         paged_prefill(
             q, key_cache, value_cache, query_start_loc, num_context, block_tables, scale, sliding_window,
             max_num_new=max_num_new, out=out,

@@ -63,7 +63,8 @@ class EngineStats:
             f"{self.num_preemptions} preemptions"
             + (
                 f"; prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}% "
-                f"({self.prefix_cache_hits}/{self.prefix_cache_queries} tokens), {self.num_evicted_blocks} evicted"
+                f"({self.prefix_cache_hits}/{self.prefix_cache_queries} tokens, "
+                f"{self.prefix_cache_hits // self.block_size} blocks reused), {self.num_evicted_blocks} evicted"
                 if self.prefix_cache_queries
                 else ""
             )

@@ -121,3 +121,14 @@ def test_beam_search_survives_preemption(model):
 def test_invalid_beam_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}"):
         BeamSearchParams(**kwargs)
+
+
+def test_beam_search_with_prefix_caching(model):
+    """Beams and prefix caching together: the second run hits the cached prompt and finds the same beams."""
+    prompts = random_prompts([17, 9])
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    expected = [hf_beams(model, p, 3, 8) for p in prompts]
+    llm = LLM(model, block_size=4, num_kv_blocks=128, enable_prefix_caching=True)
+    assert ours(llm, prompts, params)[0] == expected
+    assert ours(llm, prompts, params)[0] == expected
+    assert llm.stats().prefix_cache_hits >= 4 * 4 + 2 * 4

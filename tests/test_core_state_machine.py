@@ -10,10 +10,11 @@ Settings are derandomized and database-free, so CI is reproducible.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedlab.core.block_hash import hash_block, root_hash
 from pagedlab.core.block_pool import BlockPool, NotEnoughBlocksError
 from pagedlab.core.kv_cache_manager import BlockTable, KVCacheManager, cdiv
 from pagedlab.core.request import Request, RequestStatus
@@ -130,7 +131,381 @@ TestKVCacheManagerMachine = KVCacheManagerMachine.TestCase
 TestKVCacheManagerMachine.settings = machine_settings(max_examples=200, steps=40)
 
 
-# -- 2. Scheduler -----------------------------------------------------------------------------------------
+# -- 2. Prefix caching, fork and copy-on-write ------------------------------------------------------------
+
+ALPHABET = (1, 2)  # two token values: equal blocks, cache hits and deduplicated content are all common
+SALTS = (None, "salt")
+Content = tuple[str | None, tuple[int, ...]]  # (cache salt, the whole token prefix up to a block's last slot)
+
+
+class PrefixCachingMachine(RuleBasedStateMachine):
+    """Fork, copy-on-write, prefix caching, eviction and reset over a tiny pool, against a shadow KV.
+
+    The model: each live request's cache salt, token list (its table covers exactly these tokens, all written)
+    and block ids; and for each physical block, the KV last written into it, as (salt, the writer's token
+    prefix up to the block's last written slot): a slot's KV depends on every token before it, so two blocks
+    hold the same KV only if these agree. A freed block keeps its content (that is what a cache hit reuses); it
+    changes only when a table writes into the block, and a write must only ever reach a block that nobody else
+    holds and that the prefix cache does not point at.
+    """
+
+    REQUEST_IDS = tuple(f"r{i}" for i in range(6))
+
+    @initialize(block_size=st.sampled_from((2, 4, 1)), num_blocks=st.integers(1, 12))
+    def setup(self, block_size: int, num_blocks: int) -> None:
+        self.bs = block_size
+        self.num_blocks = num_blocks
+        self.max_len = num_blocks * block_size + block_size  # one block more than the pool: allocation can fail
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+        self.salt: dict[str, str | None] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.content: dict[int, Content] = {}  # physical block -> the KV written into it (kept when freed)
+        self.history: list[tuple[str | None, tuple[int, ...]]] = []  # token lists requests had: shared prefixes
+        self.num_query_tokens = self.num_hit_tokens = 0
+
+    # -- model helpers --------------------------------------------------------------------------------------
+
+    def _content_of(self, request_id: str, index: int) -> Content:
+        """What block `index` of the request's table must hold."""
+        tokens = self.tokens[request_id]
+        return self.salt[request_id], tuple(tokens[: min((index + 1) * self.bs, len(tokens))])
+
+    def _chain(self, salt: str | None, tokens) -> list[bytes]:
+        """The chained hashes of the full blocks of `tokens`."""
+        parent, hashes = root_hash(salt), []
+        for i in range(len(tokens) // self.bs):
+            parent = hash_block(parent, list(tokens[i * self.bs : (i + 1) * self.bs]))
+            hashes.append(parent)
+        return hashes
+
+    def _snapshot(self):
+        kv, pool = self.kv, self.kv.pool
+        return (
+            {rid: (tuple(t.block_ids), t.num_tokens) for rid, t in kv.block_tables.items()},
+            {rid: tuple(h) for rid, h in kv.block_hashes.items()},
+            pool.free_block_ids(),
+            list(pool.ref_count),
+            dict(pool.hash_to_block),
+            list(pool.block_hash),
+            list(pool.block_tokens),
+            (pool.num_evicted_blocks, kv.num_cow_copies, kv.num_query_tokens, kv.num_hit_tokens),
+        )
+
+    def _new_request_ids(self) -> list[str]:
+        return [rid for rid in self.REQUEST_IDS if rid not in self.tokens]
+
+    def _draw_tokens(self, data, min_len: int) -> tuple[str | None, list[int]]:
+        """A salt and a token list, often starting with (part of) an earlier request's tokens."""
+        base_salt, base = data.draw(st.sampled_from(SALTS), "salt"), ()
+        if self.history and data.draw(st.integers(0, 3), "share_prefix"):
+            base_salt, base = data.draw(st.sampled_from(self.history[-12:]), "prefix_of")
+            base_salt = data.draw(st.just(base_salt) | st.just(base_salt) | st.sampled_from(SALTS), "salt")
+        top = min(len(base), self.max_len)
+        prefix_len = data.draw(st.just(top) | st.integers(max(top - self.bs, 0), top) | st.integers(0, top), "prefix_len")
+        tail_len = data.draw(self._lengths(max(min_len - prefix_len, 0), self.max_len - prefix_len), "tail_len")
+        tail = data.draw(st.lists(st.sampled_from(ALPHABET), min_size=tail_len, max_size=tail_len), "tail")
+        return base_salt, [*base[:prefix_len], *tail]
+
+    def _lengths(self, lo: int, hi: int) -> st.SearchStrategy[int]:
+        """Mostly up to a block or two more than `lo` (small pools stay usable), sometimes up to `hi`."""
+        hi = max(lo, hi)
+        return st.integers(lo, min(lo + 2 * self.bs, hi)) | st.integers(lo, min(lo + 2 * self.bs, hi)) | st.integers(lo, hi)
+
+    def _write(self, request_id: str, write_from: int) -> None:
+        """The model runner writes the KV of positions [write_from, len(tokens)) into the request's blocks."""
+        pool, table = self.kv.pool, self.kv.block_table(request_id)
+        for index in range(write_from // self.bs, cdiv(len(self.tokens[request_id]), self.bs)):
+            block_id = table.block_ids[index]
+            assert pool.ref_count[block_id] == 1, (
+                f"{request_id} writes block {block_id}, which {pool.ref_count[block_id]} tables hold (no copy-on-write)"
+            )
+            assert pool.block_hash[block_id] is None, f"{request_id} writes block {block_id}, which is in the prefix cache"
+            self.content[block_id] = self._content_of(request_id, index)
+
+    def _check_evictions(self, allocated: list[int], hash_before: list, ref_before: list[int]) -> None:
+        evicted = self.kv.pool.take_evicted()
+        assert evicted == tuple(b for b in allocated if hash_before[b] is not None), (
+            f"evicted {evicted}: the cached blocks among those handed out ({allocated}) are the ones evicted"
+        )
+        for block_id in evicted:
+            assert ref_before[block_id] == 0, f"block {block_id} was evicted while {ref_before[block_id]} tables held it"
+            assert block_id not in self.kv.pool.hash_to_block.values()
+        if evicted:
+            event("evicted cached blocks")
+
+    def _check_hits(self, salt: str | None, tokens, hits: list[int]) -> None:
+        """A hit never hands back other KV, leaves the last token to compute, and stops only at a real miss."""
+        assert len(hits) <= (len(tokens) - 1) // self.bs if tokens else not hits
+        for i, block_id in enumerate(hits):
+            assert self.content.get(block_id) == (salt, tuple(tokens[: (i + 1) * self.bs])), (
+                f"hit {i} is block {block_id}, which holds {self.content.get(block_id)}, not {tokens[: (i + 1) * self.bs]}"
+            )
+        k = len(hits)
+        if tokens and k < (len(tokens) - 1) // self.bs:
+            want = (salt, tuple(tokens[: (k + 1) * self.bs]))
+            for block_id in self.kv.pool.hash_to_block.values():
+                assert self.content.get(block_id) != want, f"missed a hit: cached block {block_id} holds block {k}"
+
+    # -- rules ----------------------------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def allocate(self, data) -> None:
+        """Grow (or start, without a cache lookup) a table and write the new tokens; maybe rewrite from inside
+        the partial last block (what rejected speculative tokens would do). Then maybe cache its full blocks."""
+        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        live = sorted(self.tokens)
+        request_id = data.draw(
+            (st.sampled_from(live) if live else st.nothing()) | st.sampled_from(self.REQUEST_IDS), "request_id"
+        )
+        old = self.tokens.get(request_id)
+        held = list(self.tables.get(request_id, []))
+        if old is None:
+            salt, old = data.draw(st.sampled_from(SALTS), "salt"), []
+            write_from, pass_write_from = 0, data.draw(st.booleans(), "pass_write_from")
+            new_len = data.draw(self._lengths(0, self.max_len), "num_tokens")
+        else:
+            salt, n = self.salt[request_id], len(old)
+            # positions before write_from keep their KV; only the partial last block may be rewritten
+            write_from = data.draw(st.integers(n - n % bs, n), "write_from") if n % bs else n
+            last_shared = n % bs and pool.ref_count[held[-1]] > 1
+            # write_from=None is only right when no shared block gets written
+            pass_write_from = last_shared or data.draw(st.booleans(), "pass_write_from")
+            lo = max(n, write_from + 1)
+            end_of_last_block = cdiv(n, bs) * bs  # staying within it needs no new block
+            new_len = data.draw(st.integers(lo, max(lo, end_of_last_block)) | self._lengths(lo, self.max_len), "num_tokens")
+        written = st.lists(st.sampled_from(ALPHABET), min_size=new_len - write_from, max_size=new_len - write_from)
+        tokens = [*old[:write_from], *data.draw(written, "new_tokens")]
+
+        num_new = max(cdiv(new_len, bs) - len(held), 0)
+        cow_index = write_from // bs if pass_write_from and write_from // bs < len(held) else None
+        if cow_index is not None and pool.ref_count[held[cow_index]] == 1:
+            cow_index = None
+        need = num_new + (cow_index is not None)
+        before, free_before = self._snapshot(), pool.free_block_ids()
+        hash_before, ref_before = list(pool.block_hash), list(pool.ref_count)
+
+        result = kv.allocate_slots(request_id, new_len, write_from=write_from if pass_write_from else None)
+        event(f"DBG alloc cow={cow_index is not None} ok={result is not None} new={old == []}")
+
+        if result is None:
+            event("allocate: not enough blocks")
+            assert need > len(free_before), f"allocate_slots failed needing {need} blocks with {len(free_before)} free"
+            assert self._snapshot() == before, "a failed allocate_slots changed something"
+            assert kv.take_copies() == () and pool.take_evicted() == ()
+            return
+        assert need <= len(free_before), f"allocate_slots succeeded needing {need} blocks with {len(free_before)} free"
+        allocated = free_before[:need]
+        assert result == allocated, f"new blocks {result}, expected the free queue's head {allocated}"
+        copies = kv.take_copies()
+        if cow_index is not None:
+            event("allocate: copy-on-write")
+            source, copy = held[cow_index], allocated[-1]
+            assert copies == ((request_id, source, copy),), f"copies {copies}, expected {source} -> {copy}"
+            self.content[copy] = self.content[source]  # the engine copies the block's KV before the write
+            held[cow_index] = copy
+            allocated = allocated[:-1]
+        else:
+            assert copies == (), f"unexpected copies {copies}"
+        self._check_evictions(result, hash_before, ref_before)
+        self.salt[request_id], self.tokens[request_id] = salt, tokens
+        self.tables[request_id] = held + allocated
+        self.history.append((salt, tuple(tokens)))
+        self._write(request_id, write_from)
+        if data.draw(st.booleans(), "cache_after"):
+            self._cache(request_id, len(tokens))
+
+    @precondition(lambda self: self.tokens and len(self.tokens) < len(self.REQUEST_IDS))
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.tokens)), "parent")
+        child = data.draw(st.sampled_from(self._new_request_ids()), "child")
+        free_before, cached_before = self.kv.pool.free_block_ids(), dict(self.kv.pool.hash_to_block)
+        self.kv.fork(parent, child)
+        event("fork")
+        assert self.kv.pool.free_block_ids() == free_before and self.kv.pool.hash_to_block == cached_before
+        assert self.kv.block_hashes.get(child) == self.kv.block_hashes.get(parent)
+        self.salt[child], self.tokens[child] = self.salt[parent], list(self.tokens[parent])
+        self.tables[child] = list(self.tables[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def cache_full_blocks(self, data) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.tokens)), "request_id")
+        self._cache(request_id, data.draw(st.integers(0, len(self.tokens[request_id])), "num_computed_tokens"))
+
+    def _cache(self, request_id: str, num_computed: int) -> None:
+        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        salt, tokens = self.salt[request_id], self.tokens[request_id]
+        num_hashed_before = len(kv.block_hashes.get(request_id, ()))
+        free_before = pool.free_block_ids()
+
+        def token_ids(start: int, end: int) -> list[int]:
+            assert 0 <= start < end <= num_computed and start % bs == 0 and end - start == bs, (start, end)
+            return list(tokens[start:end])
+
+        kv.cache_full_blocks(request_id, num_computed, token_ids, salt)
+
+        hashes = kv.block_hashes[request_id]
+        assert hashes == self._chain(salt, tokens)[: max(num_hashed_before, num_computed // bs)]
+        for index in range(num_hashed_before, len(hashes)):
+            block_id = self.tables[request_id][index]
+            cached = pool.hash_to_block.get(hashes[index])
+            assert cached is not None, f"{request_id}'s block {index} was hashed but its content is not cached"
+            assert cached == block_id or pool.block_hash[block_id] is None  # cached here, or already elsewhere
+            if cached != block_id:
+                event("cache_full_blocks: content already cached in another block")
+        assert pool.free_block_ids() == free_before
+
+    @precondition(lambda self: len(self.tokens) < len(self.REQUEST_IDS))
+    @rule(data=st.data())
+    def start_from_prefix_cache(self, data) -> None:
+        """A new request takes its longest cached prefix, then fresh blocks for the rest (as the scheduler does)."""
+        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        request_id = data.draw(st.sampled_from(self._new_request_ids()), "request_id")
+        salt, tokens = self._draw_tokens(data, min_len=1)
+
+        hits = kv.get_computed_blocks(tokens, salt)
+
+        self._check_hits(salt, tokens, hits)
+        event(f"start_from_prefix_cache: {min(len(hits), 2)}{'+' if len(hits) >= 2 else ''} hits")
+        num_new = cdiv(len(tokens), bs) - len(hits)
+        free_hits = [b for b in hits if pool.is_free(b)]
+        need = num_new + len(free_hits)
+        write_from = len(hits) * bs
+        before, free_before = self._snapshot(), pool.free_block_ids()
+        hash_before, ref_before = list(pool.block_hash), list(pool.ref_count)
+
+        result = kv.allocate_slots(request_id, len(tokens), hits, data.draw(st.sampled_from([None, write_from])))
+
+        if result is None:
+            event("start_from_prefix_cache: not enough blocks")
+            assert need > len(free_before), f"allocate_slots failed needing {need} blocks with {len(free_before)} free"
+            assert self._snapshot() == before, "a failed allocate_slots changed something"
+            assert kv.take_copies() == () and pool.take_evicted() == ()
+            return
+        assert need <= len(free_before)
+        if free_hits:
+            event("start_from_prefix_cache: revived freed cached blocks")
+        kv.record_prefix_query(len(tokens), len(hits))
+        self.num_query_tokens += len(tokens)
+        self.num_hit_tokens += len(hits) * bs
+        assert (kv.num_query_tokens, kv.num_hit_tokens) == (self.num_query_tokens, self.num_hit_tokens)
+        allocated = [b for b in free_before if b not in hits][:num_new]
+        assert result == allocated, f"new blocks {result}, expected the free queue's head {allocated} (hits {hits})"
+        assert kv.take_copies() == ()
+        self._check_evictions(result, hash_before, ref_before)
+        assert kv.block_hashes.get(request_id, []) == self._chain(salt, tokens)[: len(hits)]
+        self.salt[request_id], self.tokens[request_id] = salt, tokens
+        self.tables[request_id] = hits + allocated
+        self.history.append((salt, tuple(tokens)))
+        self._write(request_id, write_from)
+        if data.draw(st.booleans(), "cache_after"):
+            self._cache(request_id, len(tokens))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def finish(self, data) -> None:
+        """A request finishes, is preempted or aborted: its table goes (the scheduler frees often too)."""
+        self.free(data.draw(st.sampled_from(sorted(self.tokens)), "request_id"))
+
+    @rule(request_id=st.sampled_from(("*all*", "unknown", *REQUEST_IDS)))
+    def free_any(self, request_id: str) -> None:
+        if request_id == "*all*":
+            self.free_all()
+        else:
+            self.free(request_id)
+
+    def free(self, request_id: str) -> None:
+        pool = self.kv.pool
+        held = self.tables.get(request_id, [])
+        expected = [b for b in reversed(held) if pool.ref_count[b] == 1]  # tail first; shared blocks stay held
+        free_before, cached_before = pool.free_block_ids(), dict(pool.hash_to_block)
+        assert self.kv.free(request_id) == expected
+        assert pool.free_block_ids() == free_before + expected, "freed blocks go to the tail of the free queue"
+        assert pool.hash_to_block == cached_before, "freeing keeps cached blocks findable"
+        for model in (self.salt, self.tokens, self.tables):
+            model.pop(request_id, None)
+        assert request_id not in self.kv.block_tables and request_id not in self.kv.block_hashes
+
+    def free_all(self) -> None:
+        for request_id in sorted(self.tokens):
+            self.free(request_id)
+        assert self.kv.num_free_blocks == self.num_blocks, "every request is freed, yet some block is not free"
+
+    @rule(data=st.data())
+    def reset_prefix_cache(self, data) -> None:
+        pool = self.kv.pool
+        in_use = any(self.tables.values())
+        if not in_use and not pool.hash_to_block:
+            return  # nothing to reset
+        if not in_use and data.draw(st.integers(0, 2), "keep_cache"):
+            return  # a reset wipes every hit: do it only now and then
+        before = self._snapshot()
+        ok = self.kv.reset_prefix_cache()
+        if in_use:
+            event("reset_prefix_cache: refused")
+            assert ok is False, "reset_prefix_cache succeeded while blocks are in use"
+            assert self._snapshot() == before, "a refused reset_prefix_cache changed something"
+            return
+        event("reset_prefix_cache: done")
+        assert ok is True, "reset_prefix_cache refused although no block is in use"
+        assert not pool.hash_to_block and all(h is None for h in pool.block_hash)
+        assert all(t is None for t in pool.block_tokens)
+        tables, hashes, free_queue, ref_count, *_ = before
+        assert self._snapshot()[:4] == (tables, hashes, free_queue, ref_count)
+
+    # -- invariants -----------------------------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        kv.check_invariants()
+        event("step")
+        assert {rid: (t.block_ids, t.num_tokens) for rid, t in kv.block_tables.items()} == {
+            rid: (self.tables[rid], len(self.tokens[rid])) for rid in self.tables
+        }
+        holders = [0] * self.num_blocks
+        for request_id, block_ids in self.tables.items():
+            assert len(set(block_ids)) == len(block_ids)
+            for index, block_id in enumerate(block_ids):
+                holders[block_id] += 1
+                assert self.content.get(block_id) == self._content_of(request_id, index), (
+                    f"{request_id} reads block {block_id} at {index}, which holds {self.content.get(block_id)}"
+                )
+        assert pool.ref_count == holders, f"ref_count {pool.ref_count}, held by {holders} tables"
+        if not any(self.tables.values()):
+            assert pool.num_free_blocks == self.num_blocks
+        # A cached hash points at a block holding exactly the KV that hash names.
+        for block_hash, block_id in pool.hash_to_block.items():
+            salt, prefix = self.content[block_id]
+            assert prefix and len(prefix) % bs == 0, f"cached block {block_id} is not full: {prefix}"
+            assert pool.block_tokens[block_id] == prefix[-bs:]
+            assert block_hash == self._chain(salt, prefix)[-1], f"cached block {block_id} has a stale hash"
+        for request_id, hashes in kv.block_hashes.items():
+            assert hashes == self._chain(self.salt[request_id], self.tokens[request_id])[: len(hashes)]
+        # Lookups (they change nothing) for the live requests' tokens and a few earlier ones.
+        queries = [(self.salt[rid], self.tokens[rid]) for rid in sorted(self.tokens)] + self.history[-4:]
+        for salt, tokens in queries:
+            self._check_hits(salt, tokens, kv.get_computed_blocks(tokens, salt))
+        assert kv.take_copies() == () and pool.take_evicted() == ()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        self.free_all()
+        self.agrees_with_model()
+        assert all(count == 0 for count in self.kv.pool.ref_count)
+        assert self.kv.reset_prefix_cache() is True
+        assert not self.kv.pool.hash_to_block
+        self.kv.check_invariants()
+
+
+TestPrefixCachingMachine = PrefixCachingMachine.TestCase
+TestPrefixCachingMachine.settings = machine_settings(max_examples=400, steps=50)
+
+
+# -- 3. Scheduler -----------------------------------------------------------------------------------------
 
 
 @st.composite
@@ -462,7 +837,7 @@ TestSchedulerMachinePrefixCaching = SchedulerMachinePrefixCaching.TestCase
 TestSchedulerMachinePrefixCaching.settings = machine_settings(max_examples=150, steps=50)
 
 
-# -- 3. Plain unit tests ----------------------------------------------------------------------------------
+# -- 4. Plain unit tests ----------------------------------------------------------------------------------
 
 
 def test_block_pool_allocates_from_head_and_frees_to_tail():

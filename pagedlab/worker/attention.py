@@ -54,6 +54,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] tokens of context including the new one
     prefills: list[PrefillChunk]
     _masks: dict = field(default_factory=dict)  # per-step cache of decode masks, by sliding window
+    kernel_inputs: dict = field(default_factory=dict)  # per-step cache of what a kernel backend derives
 
     def decode_mask(self, block_size: int, sliding_window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] True where a decode query may attend."""
