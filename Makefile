@@ -33,7 +33,8 @@ test-fast: install
 
 chapters: install
 	@for nb in chapters/*.ipynb; do echo "running $$nb"; \
-	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+	  (cd chapters && ../$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$(basename $$nb)") || exit 1; done
+	$(PY) scripts/clean_notebooks.py
 
 # On a CUDA machine: the full kernel grid, then the decode-kernel benchmark; writes gpu_check.md.
 gpu-check: install
