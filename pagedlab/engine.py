@@ -151,11 +151,10 @@ class LLMEngine:
         """Queue a beam-search request (see `pagedlab.beam_search`). Its output comes when it finishes."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        _, token_ids = self._tokenize(prompt)
-        room = self.max_model_len - len(token_ids)
         # the beam step decides when beams end; the sequences themselves never stop on their own
         request_id = self.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
         root = self._groups.pop(request_id).sequences[0]
+        room = self.max_model_len - root.num_prompt_tokens
         root.is_beam = True
         root.group_size = params.beam_width
         self._beam_groups[request_id] = BeamGroup(

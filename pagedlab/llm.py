@@ -43,9 +43,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one `SamplingParams` for all, or one per prompt."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -68,8 +66,7 @@ class LLM:
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's API shape), run inside the engine; best sequence first."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_list(prompts)
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
@@ -139,6 +136,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[rid] for rid in request_ids]
+
+
+def _as_list(prompts) -> list:
+    """One prompt (text, token ids or a dict) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _token_ids(encoded) -> list[int]:
