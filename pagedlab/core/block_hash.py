@@ -2,8 +2,10 @@
 
 A block's hash covers its parent's hash, its own token ids and any extra key that changes the KV (a cache
 salt), so two blocks share a hash only if the whole prefix up to and including them is the same. SHA-256 is
-stable across runs and processes (Python's `hash` is salted per process), and the cache also compares token
-ids on every hit, so a collision can never hand back the wrong KV.
+stable across runs and processes (Python's `hash` is salted per process). The cache also compares the
+block's own token ids on every hit, so a collision between blocks of different tokens can never hand back the
+wrong KV; only a SHA-256 collision of two different prefixes ending in the same block tokens could, which is
+not a practical concern.
 
 # Explained in chapters/07_prefix_caching.ipynb
 """
