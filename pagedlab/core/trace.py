@@ -38,6 +38,11 @@ class StepRecord:
     evicted: tuple[int, ...] = ()  # cached blocks handed out again this step (their hash is gone)
     forked: tuple[tuple[str, str], ...] = ()  # (parent, child): the child now shares all the parent's blocks
     copied: tuple[tuple[str, int, int], ...] = ()  # copy-on-write (request_id, shared block, its private copy)
+    swapped: tuple[str, ...] = ()  # the swapped queue after the step (preempted, KV kept in CPU blocks)
+    swapped_out: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()  # (request_id, ((gpu, cpu) block, ...))
+    swapped_in: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()  # (request_id, ((cpu, gpu) block, ...))
+    cpu_block_tables: tuple[BlockTableSnapshot, ...] = ()  # swapped requests' tables in the CPU pool
+    num_free_cpu_blocks: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -46,10 +51,12 @@ class StepRecord:
 
 @dataclass
 class Trace:
-    """All steps of one engine, in order. `num_blocks` and `block_size` say how to draw the pool."""
+    """All steps of one engine, in order. `num_blocks` and `block_size` say how to draw the pool;
+    `num_cpu_blocks` is the size of the CPU swap pool (0 when the engine has none)."""
 
     num_blocks: int
     block_size: int
+    num_cpu_blocks: int = 0
     steps: list[StepRecord] = field(default_factory=list)
 
     def __len__(self) -> int:
