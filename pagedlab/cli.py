@@ -1,4 +1,7 @@
-"""The command line: `pagedlab generate "prompt"` (also `python -m pagedlab generate ...`)."""
+"""The command line: `pagedlab generate "prompt"` and `pagedlab bench --workload chat`.
+
+Also `python -m pagedlab ...`.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +27,70 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("-v", "--verbose", action="store_true", help="log the engine's set-up")
+    _bench_parser(commands)
     return parser
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _bench_parser(commands) -> None:
+    from pagedlab.bench import COMPARATORS, WORKLOADS
+
+    bench = commands.add_parser(
+        "bench", help="run a benchmark workload: print a table, write JSON and PNG plots",
+        description="Seeded workloads through pagedlab (and comparators, in the same process).",
+    )  # fmt: skip
+    bench.add_argument("--workload", default="chat", choices=WORKLOADS)
+    bench.add_argument("--compare", type=_names, default=(), help=f"comma-separated: {', '.join(COMPARATORS)}")
+    bench.add_argument("--num-requests", type=int, default=None, help="default per workload (chat 128)")
+    bench.add_argument("--out", default="bench-results", help="folder for the JSON, text table and plots")
+    bench.add_argument("--model", default=None, help="model name, folder or Hub id (default: the embedded SmolLM2)")
+    bench.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per pagedlab system (median time)")
+    bench.add_argument("--hf-repeats", type=int, default=1, help="runs per Hugging Face comparator")
+    bench.add_argument("--hf-batch-size", type=_ints, default=(8, 32, 64), help="hf-static batch sizes (best reported)")
+    bench.add_argument("--max-num-seqs", type=int, default=256)
+    bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    bench.add_argument("--block-size", type=int, default=16)
+    bench.add_argument("--scale", type=float, default=1.0, help="nano-vllm: shrink lengths and request count")
+    bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
+    bench.add_argument("--sweep-max-num-seqs", type=_ints, default=(), help="chat/nano-vllm: e.g. 8,32,128,256")
+    bench.add_argument("--overhead-sizes", type=_ints, default=(256, 1024), help="overhead: running sequences")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("-v", "--verbose", action="store_true", help="log the engines' set-up")
+
+
+def _bench(args) -> int:
+    import torch
+
+    from pagedlab.bench import run_benchmark
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    report = run_benchmark(
+        args.workload, model=args.model, dtype=args.dtype, device=args.device, out_dir=args.out,
+        progress=not args.no_progress, compare=args.compare, num_requests=args.num_requests, repeats=args.repeats,
+        hf_repeats=args.hf_repeats, batch_sizes=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, scale=args.scale,
+        request_rates=args.request_rate, sweep_max_num_seqs=args.sweep_max_num_seqs,
+        overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1], seed=args.seed,
+    )  # fmt: skip
+    print(report.text())
+    print(f"[results written to {args.out}/]", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.verbose:
         hf_logging.disable_progress_bar()  # a command line tool: no loading bars on stderr
+    if args.command == "bench":
+        if not args.verbose:
+            hf_logging.set_verbosity_error()  # generate()'s notes on generation flags would drown the table
+        try:
+            return _bench(args)
+        except ValueError as error:
+            print(f"pagedlab: error: {error}", file=sys.stderr)
+            return 2
 
     try:
         params = SamplingParams(

@@ -20,7 +20,13 @@ class EngineConfig:
     attention_backend: "torch" (the reference, any device), "triton" (the kernels of pagedlab.kernels; on CPU
         they run in Triton's interpreter: slow, for stepping through them, and TRITON_INTERPRET=1 must be set
         before anything imports triton), or "auto": Triton on CUDA when it is installed, else torch.
-    seed: seeds the sampler of requests that bring no seed of their own.
+    preemption_mode: what a preempted request does with its KV blocks (see `pagedlab.core.preemption`):
+        "recompute" (free them, re-prefill later), "swap" (copy them to a CPU pool of `swap_space` GiB but at
+        most as many blocks as the device pool, or exactly `num_cpu_blocks` blocks, and back), or "auto" (per victim, the cheaper of the two by a cost model
+        measured at start-up on this device). A swap falls back to recompute when the CPU pool is full.
+    force_preemption_rate: for tests, preempt the newest running request in this share of steps (vLLM's
+        artificial-preemption trick); 0 in normal use.
+    seed: seeds the sampler of requests that bring no seed of their own, and the forced preemptions.
     record_trace: keep a `StepRecord` of every step (what the chapters draw).
     """
 
@@ -34,6 +40,10 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
     attention_backend: str = "auto"
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0
+    num_cpu_blocks: int | None = None
+    force_preemption_rate: float = 0.0
     seed: int = 0
     record_trace: bool = True
 
@@ -48,5 +58,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'auto', 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not 0.0 <= self.force_preemption_rate <= 1.0:
+            raise ValueError(f"force_preemption_rate must be in [0, 1], got {self.force_preemption_rate}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")

@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from pagedlab.beam_search import BeamGroup, BeamSearchParams
 from pagedlab.config import EngineConfig
 from pagedlab.core.kv_cache_manager import KVCacheManager
+from pagedlab.core.preemption import PreemptionMode
 from pagedlab.core.request import Request, RequestStatus
 from pagedlab.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UpdateOutput
+from pagedlab.core.swap_space import SwapSpace
 from pagedlab.core.trace import BlockTableSnapshot, StepRecord, Trace
 from pagedlab.models import eos_token_ids, load_model, resolve_device, resolve_dtype
 from pagedlab.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
-from pagedlab.worker.model_runner import ModelRunner, WorkItem
+from pagedlab.worker.model_runner import ModelRunner, RunnerOutput, WorkItem
+from pagedlab.worker.swap import CPUKVCache, measure_cost_model
 
 logger = logging.getLogger("pagedlab")
 
@@ -88,20 +91,40 @@ class LLMEngine:
         )  # fmt: skip
 
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.attention_backend = _attention_backend(config.attention_backend, self.device)
+        self.model_runner = ModelRunner(
+            model, spec, num_blocks, config.block_size, config.seed, self.attention_backend
+        )
+        self._bytes_per_block = spec.bytes_per_block(config.block_size)
+        self.preemption_mode = PreemptionMode(config.preemption_mode)
+        self.swap_space, self.cpu_kv_cache, self.cost_model = None, None, None
+        num_cpu_blocks = 0
+        if self.preemption_mode != PreemptionMode.RECOMPUTE:
+            num_cpu_blocks = config.num_cpu_blocks
+            if num_cpu_blocks is None:  # swap_space GiB, but never more blocks than the device pool has
+                num_cpu_blocks = min(int(config.swap_space * 2**30) // self._bytes_per_block, num_blocks)
+            self.swap_space = SwapSpace(self.kv_cache_manager, num_cpu_blocks)
+            self.cpu_kv_cache = CPUKVCache(spec, max(num_cpu_blocks, 1), config.block_size, self.device)
+            if self.preemption_mode == PreemptionMode.AUTO:
+                self.cost_model = measure_cost_model(
+                    model, self.model_runner.kv_cache, self.cpu_kv_cache, spec, config.block_size
+                )
+                logger.info("%s", self.cost_model.explain())
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=self.preemption_mode,
+                force_preemption_rate=config.force_preemption_rate,
+                seed=config.seed,
             ),
             self.kv_cache_manager,
+            self.swap_space,
+            self.cost_model,
         )
-        self.attention_backend = _attention_backend(config.attention_backend, self.device)
-        self.model_runner = ModelRunner(
-            model, spec, num_blocks, config.block_size, config.seed, self.attention_backend
-        )
-        self.trace = Trace(num_blocks, config.block_size)
+        self.trace = Trace(num_blocks, config.block_size, num_cpu_blocks)
         self._groups: dict[str, _Group] = {}  # unfinished user requests
         self._sequences: dict[str, Request] = {}  # their sequences, finished ones too, until the group ends
         self._beam_groups: dict[str, BeamGroup] = {}  # unfinished beam-search requests
@@ -235,27 +258,31 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return the outputs of the requests that changed."""
+        """Schedule, run the model once, sample, and return the outputs of the requests that changed.
+
+        An exception while processing one request (sampling, stop strings) finishes that request with
+        finish_reason "error" and its message; the others go on."""
         output = self.scheduler.schedule()
-        if output.is_empty and not output.preempted and self.scheduler.has_unfinished_requests():
+        if output.is_empty and not (output.preempted or output.swapped_in) and self.scheduler.has_unfinished_requests():
             raise RuntimeError(f"the scheduler made no progress: {self.scheduler.waiting=} {self.scheduler.running=}")
+        self._move_blocks(output)
         forks = {
             s.request_id: self._fork_samples(self._sequences[s.request_id])
             for s in output.scheduled
             if s.samples and self._sequences[s.request_id].needs_fork
         }
-        sampled: dict[str, tuple[int, dict[int, float] | None]] = {}
-        beam_logprobs: dict = {}
+        runner_output = RunnerOutput({}, {})
+        failed: list[RequestOutput] = []
         if not output.is_empty:
             kv = self.kv_cache_manager
             items = [
                 WorkItem(self._sequences[s.request_id], s, kv.block_table(s.request_id), tuple(forks.get(s.request_id, ())))
                 for s in output.scheduled
             ]  # fmt: skip
-            self.model_runner.zero_blocks([b for _, blocks in output.allocated for b in blocks])
-            self.model_runner.copy_blocks([(source, copy) for _, source, copy in output.copies])
-            runner_output = self.model_runner.execute(items)
-            sampled, beam_logprobs = runner_output.sampled, runner_output.beam_logprobs
+            runner_output, failed = self._execute(items)
+            for failed_output in failed:
+                forks.pop(failed_output.request_id, None)
+        sampled, beam_logprobs = runner_output.sampled, runner_output.beam_logprobs
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv_cache_manager.pool.num_used_blocks)
         self._num_computed_tokens += output.num_batched_tokens
         tokens = {rid: token for rid, (token, _) in sampled.items()}
@@ -266,38 +293,110 @@ class LLMEngine:
             self._sequences.update((child.request_id, child) for child in children)
         finished = list(update.finished)
         for rid, _ in update.appended:
-            sequence = self._sequences[rid]
+            sequence = self._sequences.get(rid)
+            if sequence is None:
+                continue  # its group failed this step
             logprobs = sampled[rid][1]
             if logprobs is not None:
                 sequence.output_logprobs.append(logprobs)
-            if sequence.sampling_params.stop and not sequence.is_finished and self._hit_stop_string(sequence):
-                finished.append(self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED))
+            if sequence.sampling_params.stop and not sequence.is_finished:
+                try:
+                    hit = self._hit_stop_string(sequence)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                    failed.append(self._fail(self._group_id(rid), exc))
+                    continue
+                if hit:
+                    finished.append(self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED))
         self._num_generated_tokens += len(update.appended)
         for sequence in finished:
             self.model_runner.forget(sequence.request_id)
-        beam_outputs, pruned = self._beam_steps(beam_logprobs)
+        beam_outputs, pruned, beam_forks = self._beam_steps(beam_logprobs)
         if self.config.record_trace:
-            self._record(output, update, finished + pruned)
-        return self._outputs({rid for rid, _ in update.appended} | {s.request_id for s in finished}) + beam_outputs
+            self._record(output, update, finished + pruned, beam_forks)
+        changed = {rid for rid, _ in update.appended} | {s.request_id for s in finished}
+        return failed + self._outputs({rid for rid in changed if rid in self._sequences}) + beam_outputs
 
-    def _beam_steps(self, beam_logprobs: dict) -> tuple[list[RequestOutput], list[Request]]:
-        """Give each beam group its new log-probabilities; run a beam step for every group that has them all."""
+    def _move_blocks(self, output: SchedulerOutput) -> None:
+        """Apply the step's block moves to the KV tensors, in an order that never reads overwritten data:
+        swap-outs first (their blocks may be handed out again this step), then clear newly allocated blocks,
+        swap-ins, and copy-on-write copies (whose source may have just been swapped in)."""
+        if output.swapped_out:
+            self.cpu_kv_cache.swap_out(self.model_runner.kv_cache, [p for _, pairs in output.swapped_out for p in pairs])
+        self.model_runner.zero_blocks([b for _, blocks in output.allocated for b in blocks])
+        if output.swapped_in:
+            self.cpu_kv_cache.swap_in(self.model_runner.kv_cache, [p for _, pairs in output.swapped_in for p in pairs])
+        self.model_runner.copy_blocks([(source, copy) for _, source, copy in output.copies])
+
+    def _execute(self, items: list[WorkItem]) -> tuple[RunnerOutput, list[RequestOutput]]:
+        """Run the step's batch. If it raises, run each request alone (rewriting the same KV is harmless) so
+        that only the requests whose processing fails are finished with the error."""
+        try:
+            return self.model_runner.execute(items), []
+        except Exception as exc:  # noqa: BLE001
+            if len(items) == 1:
+                return RunnerOutput({}, {}), [self._fail(self._group_id(items[0].request.request_id), exc)]
+        merged, failed = RunnerOutput({}, {}), []
+        for item in items:
+            group_id = self._group_id(item.request.request_id)
+            if group_id not in self._groups and group_id not in self._beam_groups:
+                continue  # failed already, with a sibling
+            try:
+                one = self.model_runner.execute([item])
+            except Exception as exc:  # noqa: BLE001
+                failed.append(self._fail(group_id, exc))
+                continue
+            merged.sampled.update(one.sampled)
+            merged.beam_logprobs.update(one.beam_logprobs)
+        merged.sampled = {rid: v for rid, v in merged.sampled.items() if self._is_alive(rid)}
+        merged.beam_logprobs = {rid: v for rid, v in merged.beam_logprobs.items() if self._is_alive(rid)}
+        return merged, failed
+
+    def _is_alive(self, sequence_id: str) -> bool:
+        """Whether the sequence's request is still unfinished (a sibling's failure finishes it too)."""
+        group_id = self._group_id(sequence_id)
+        return group_id in self._groups or group_id in self._beam_groups
+
+    def _fail(self, group_id: str, exc: Exception) -> RequestOutput:
+        """Finish every sequence of a request with finish_reason "error"; its blocks are freed at once."""
+        message = f"{type(exc).__name__}: {exc}"
+        logger.error("request %r failed: %s", group_id, message)
+        group = self._groups.pop(group_id, None)
+        beam_group = self._beam_groups.pop(group_id, None)
+        sequences = group.sequences if group is not None else [self._sequences[s] for s in beam_group.beams]
+        for sequence in sequences:
+            if not sequence.is_finished:
+                self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ERROR)
+            sequence.error = message
+            self.model_runner.forget(sequence.request_id)
+            self._sequences.pop(sequence.request_id, None)
+        self._num_finished += 1
+        first = sequences[0]
+        completions = [
+            CompletionOutput(s.sample_index, "", list(s.output_token_ids), "error", error=message) for s in sequences
+        ]
+        if beam_group is not None:
+            completions = [CompletionOutput(0, "", [], "error", error=message)]
+        return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions, True)
+
+    def _beam_steps(self, beam_logprobs: dict) -> tuple[list[RequestOutput], list[Request], list[tuple[str, str]]]:
+        """Give each beam group its new log-probabilities; run a beam step for every group that has them all.
+        Returns the finished groups' outputs, the pruned sequences and the (parent, child) forks."""
         ready = []
         for sequence_id, logprobs in beam_logprobs.items():
             group = self._beam_groups[self._group_id(sequence_id)]
             group.ready[sequence_id] = logprobs
             if group.is_ready and group not in ready:
                 ready.append(group)
-        outputs, pruned = [], []
+        outputs, pruned, forks = [], [], []
         for group in ready:
-            pruned += self._beam_step(group)
+            pruned += self._beam_step(group, forks)
             if not group.beams:
                 outputs.append(self._beam_output(group))
-        return outputs, pruned
+        return outputs, pruned, forks
 
-    def _beam_step(self, group: BeamGroup) -> list[Request]:
+    def _beam_step(self, group: BeamGroup, forks: list[tuple[str, str]]) -> list[Request]:
         """Apply a beam step: fork parents chosen more than once, extend the others in place, free the rest.
-        Returns the sequences it freed."""
+        Returns the sequences it freed; appends the forks it made to `forks`."""
         plan = group.step()
         beams, generated, extended = {}, {}, []
         for continuation in plan.continuations:
@@ -309,6 +408,7 @@ class LLMEngine:
                 group.num_forks += 1
                 sequence = parent.fork(f"{group.request_id}:b{group.num_forks}", group.num_forks, parent.sampling_params)
                 self.scheduler.add_fork(parent, sequence)  # before the parent grows: they share its blocks
+                forks.append((parent.request_id, sequence.request_id))
                 sequence.append_token(continuation.token_id)
                 self._sequences[sequence.request_id] = sequence
             beams[sequence.request_id] = continuation.cum_logprob
@@ -406,7 +506,9 @@ class LLMEngine:
             sequence.sample_index, text, token_ids, sequence.status.finish_reason, sequence.stop_reason, logprobs
         )
 
-    def _record(self, output: SchedulerOutput, update: UpdateOutput, finished: list[Request]) -> None:
+    def _record(
+        self, output: SchedulerOutput, update: UpdateOutput, finished: list[Request], beam_forks: list[tuple[str, str]]
+    ) -> None:
         kv = self.kv_cache_manager
         self.trace.steps.append(
             StepRecord(
@@ -424,9 +526,17 @@ class LLMEngine:
                 running=tuple(r.request_id for r in self.scheduler.running),
                 num_free_blocks=kv.num_free_blocks,
                 cached_blocks=tuple(sorted(kv.pool.hash_to_block.values())),
-                forked=update.forked,
+                forked=update.forked + tuple(beam_forks),
                 copied=output.copies,
                 evicted=kv.pool.take_evicted(),
+                swapped=tuple(r.request_id for r in self.scheduler.swapped),
+                swapped_out=output.swapped_out,
+                swapped_in=output.swapped_in,
+                cpu_block_tables=tuple(
+                    BlockTableSnapshot(rid, tuple(t.block_ids), t.num_tokens)
+                    for rid, t in (self.swap_space.block_tables.items() if self.swap_space else ())
+                ),
+                num_free_cpu_blocks=self.swap_space.num_free_blocks if self.swap_space else 0,
             )
         )
 
@@ -434,6 +544,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache_manager.pool
+        swap = self.swap_space
         return EngineStats(
             num_kv_blocks=pool.num_blocks,
             num_used_blocks=pool.num_used_blocks,
@@ -449,6 +560,15 @@ class LLMEngine:
             prefix_cache_queries=self.kv_cache_manager.num_query_tokens,
             prefix_cache_hits=self.kv_cache_manager.num_hit_tokens,
             num_evicted_blocks=pool.num_evicted_blocks,
+            num_preemptions_recompute=self.scheduler.num_preemptions_by_mode[PreemptionMode.RECOMPUTE],
+            num_preemptions_swap=self.scheduler.num_preemptions_by_mode[PreemptionMode.SWAP],
+            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            num_swapped_out_blocks=swap.num_swapped_out_blocks if swap else 0,
+            num_swapped_in_blocks=swap.num_swapped_in_blocks if swap else 0,
+            num_swapped_bytes=(swap.num_swapped_out_blocks + swap.num_swapped_in_blocks) * self._bytes_per_block
+            if swap else 0,
+            num_swapped=len(self.scheduler.swapped),
+            num_cpu_blocks=swap.num_cpu_blocks if swap else 0,
         )
 
     def check_invariants(self) -> None:

@@ -10,10 +10,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", or None while generating
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", or None while generating
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it, if any
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
     cumulative_logprob: float | None = None  # beam search: the sequence's summed log-probability
+    error: str | None = None  # finish_reason "error": what went wrong in this request's processing
 
     @property
     def finished(self) -> bool:
@@ -45,6 +46,14 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found cached (not computed)
     num_evicted_blocks: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_recomputed_tokens: int = 0  # computed tokens whose KV a recompute preemption dropped
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_swapped_bytes: int = 0  # out and in
+    num_swapped: int = 0  # requests in the swapped queue now
+    num_cpu_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -61,6 +70,13 @@ class EngineStats:
             f"{self.num_running} running, {self.num_waiting} waiting; {self.num_steps} steps, "
             f"{self.num_computed_tokens} tokens computed, {self.num_generated_tokens} generated, "
             f"{self.num_preemptions} preemptions"
+            + (
+                f" ({self.num_preemptions_recompute} recompute, {self.num_preemptions_swap} swap; "
+                f"{self.num_recomputed_tokens} tokens recomputed, {self.num_swapped_out_blocks} blocks swapped out, "
+                f"{self.num_swapped_in_blocks} in)"
+                if self.num_preemptions
+                else ""
+            )
             + (
                 f"; prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}% "
                 f"({self.prefix_cache_hits}/{self.prefix_cache_queries} tokens, "

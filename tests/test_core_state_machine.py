@@ -12,6 +12,8 @@ Settings are derandomized and database-free, so CI is reproducible.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -21,7 +23,9 @@ from pagedlab.core.block_hash import hash_block, root_hash
 from pagedlab.core.block_pool import BlockPool, NotEnoughBlocksError
 from pagedlab.core.kv_cache_manager import BlockTable, KVCacheManager, cdiv
 from pagedlab.core.request import Request, RequestStatus
+from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode
 from pagedlab.core.scheduler import Scheduler, SchedulerConfig
+from pagedlab.core.swap_space import SwapSpace
 from pagedlab.sampling_params import SamplingParams
 
 BLOCK_SIZES = (1, 2, 4, 16)
@@ -539,8 +543,10 @@ TestPrefixCachingMachine.settings = machine_settings(max_examples=500, steps=50)
 
 
 @st.composite
-def scheduler_setups(draw, chunked: bool | st.SearchStrategy[bool]):
-    """A tight KV pool: max_model_len is at least half the pool, so two long requests already run it dry."""
+def scheduler_setups(draw, chunked: bool | st.SearchStrategy[bool], swap: bool = False):
+    """A tight KV pool: max_model_len is at least half the pool, so two long requests already run it dry.
+    With `swap`, preemption swaps (or, in auto mode, picks by a cost model) into a CPU pool that is often too
+    small, and some steps force a preemption."""
     if not isinstance(chunked, bool):
         chunked = draw(chunked, "enable_chunked_prefill")
     block_size = draw(st.sampled_from(BLOCK_SIZES), "block_size")
@@ -554,13 +560,20 @@ def scheduler_setups(draw, chunked: bool | st.SearchStrategy[bool]):
         st.integers(1, 4) | st.integers(1, max_model_len) | st.integers(max_model_len, 2 * max_model_len),
         "max_num_batched_tokens",
     )
+    mode, num_cpu_blocks, force_rate = PreemptionMode.RECOMPUTE, 0, 0.0
+    if swap:
+        mode = draw(st.sampled_from([PreemptionMode.SWAP, PreemptionMode.AUTO]), "preemption_mode")
+        num_cpu_blocks = draw(st.integers(0, 2 * num_blocks), "num_cpu_blocks")
+        force_rate = draw(st.sampled_from([0.0, 0.1, 0.3]), "force_preemption_rate")
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
+        preemption_mode=mode,
+        force_preemption_rate=force_rate,
     )
-    return config, num_blocks, block_size
+    return config, num_blocks, block_size, num_cpu_blocks
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -570,12 +583,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     PREFIX_CACHING = False
 
     def _setup(self, setup) -> None:
-        config, num_blocks, block_size = setup
+        config, num_blocks, block_size, num_cpu_blocks = setup
         self.config = config
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=self.PREFIX_CACHING)
-        self.scheduler = Scheduler(config, self.kv)
-        assert config.max_model_len <= num_blocks * block_size
+        self.swap = None
+        if config.preemption_mode != PreemptionMode.RECOMPUTE:
+            self.swap = SwapSpace(self.kv, num_cpu_blocks)
+        # auto: with these speeds a victim is swapped when its blocks are on average more than 3/4 full
+        copy_speed = 2 * 64 / (0.75 * block_size * 1e-3)
+        cost_model = PreemptionCostModel(64, block_size, copy_bytes_per_s=copy_speed, prefill_tokens_per_s=1e3)
+        self.scheduler = Scheduler(config, self.kv, self.swap, cost_model)
+        self.cpu_slot_content: dict[int, tuple[int, ...]] = {}  # shadow of the CPU pool        assert config.max_model_len <= num_blocks * block_size
         self.max_prompt_len = config.max_model_len - 1
         if not config.enable_chunked_prefill:  # the engine rejects longer prompts without chunked prefill
             self.max_prompt_len = min(self.max_prompt_len, config.max_num_batched_tokens)
@@ -649,6 +668,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert request is not None and request.request_id == request_id
         assert request.status == RequestStatus.FINISHED_ABORTED and request.is_finished
         assert request_id not in self.kv.block_tables
+        assert self.swap is None or request_id not in self.swap.block_tables
         self.finished[request_id] = RequestStatus.FINISHED_ABORTED
 
     @rule(data=st.data())
@@ -674,6 +694,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         free_before = set(self.kv.pool.free_block_ids())
         had_unfinished = scheduler.has_unfinished_requests()
         oldest = min(scheduler.requests.values(), key=lambda r: r.order, default=None)
+        swapped_before = {r.request_id for r in scheduler.swapped}
         scheduler.take_freed_blocks()
 
         out = scheduler.schedule()
@@ -683,15 +704,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len(scheduler.running) <= config.max_num_seqs
         if had_unfinished:
-            assert not out.is_empty, "a step with unfinished requests scheduled nothing"
-            # No starvation: the oldest request runs first with the whole budget and is never the victim.
-            assert oldest.request_id in ids, f"the oldest request {oldest.request_id} was not scheduled"
+            assert not out.is_empty or out.preempted or out.swapped_in, "a step with unfinished requests did nothing"
+            # No starvation: the oldest request runs first with the whole budget and is never the victim. With
+            # swapping and forced preemptions it can be a victim, and swapped requests come back before waiting
+            # ones: then only a running oldest request is sure to run (liveness is checked at teardown).
+            if oldest.request_id not in out.preempted and (self.swap is None or oldest.request_id in running_ids_before):
+                assert oldest.request_id in ids, f"the oldest request {oldest.request_id} was not scheduled"
         for s in out.scheduled:
             request = scheduler.requests[s.request_id]
             assert request.status == RequestStatus.RUNNING
             assert s.num_new_tokens >= 1
             assert s.num_computed_tokens == request.num_computed_tokens
-            if s.request_id in running_ids_before:
+            if s.request_id in running_ids_before or s.request_id in swapped_before:
                 assert s.num_computed_tokens == computed_before[s.request_id]
             else:  # just admitted: from scratch, or from its longest cached prefix of full blocks
                 assert computed_before[s.request_id] == 0
@@ -712,28 +736,46 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, blocks in out.allocated:
             assert rid in ids and set(blocks) <= set(self.kv.block_table(rid).block_ids)
 
-        # Preemption: the victims are the most recently arrived running requests, newest first, and they
-        # go back to the front of the waiting queue with no blocks and nothing computed.
+        # Preemption: the victims are the most recently arrived running requests, newest first. Recomputed
+        # ones go back to the front of the waiting queue with no blocks and nothing computed; swapped ones
+        # keep what they computed, in a CPU table.
         if out.preempted:
             self.num_preemptions_seen += len(out.preempted)
             newest_first = sorted(running_before, key=lambda r: r.order, reverse=True)
             expected = [r.request_id for r in newest_first[: len(out.preempted)]]
             assert list(out.preempted) == expected, f"preempted {out.preempted}, expected the newest {expected}"
             assert set(ids) <= running_ids_before, "a step that preempted admitted a new request"
+            assert not out.swapped_in, "a step that preempted swapped a request in"
             assert {r.request_id for r in scheduler.running} <= running_ids_before
             assert not set(out.preempted) & set(ids)
-            front = [r.request_id for r in list(scheduler.waiting)[: len(out.preempted)]]
-            assert front == list(reversed(out.preempted)), "preempted requests go to the front of waiting"
+            recomputed = [rid for rid in out.preempted if scheduler.requests[rid].status == RequestStatus.WAITING]
+            if self.swap is None:  # with swapping, a swapped-in request may be younger than one waiting
+                front = [r.request_id for r in list(scheduler.waiting)[: len(recomputed)]]
+                assert front == list(reversed(recomputed)), "recomputed requests go to the front of waiting"
+            swapped_out = [rid for rid, _ in out.swapped_out]
+            assert sorted(swapped_out) == sorted(set(out.preempted) - set(recomputed))
             for rid in out.preempted:
                 victim = scheduler.requests[rid]
-                assert victim.status == RequestStatus.WAITING and victim.num_computed_tokens == 0
                 assert rid not in self.kv.block_tables
                 assert victim.num_preemptions >= 1
+                if rid in recomputed:
+                    assert victim.num_computed_tokens == 0
+                else:
+                    assert victim.status == RequestStatus.SWAPPED
+                    assert victim.num_computed_tokens == computed_before[rid]
+                    assert self.swap.block_tables[rid].num_tokens == victim.num_computed_tokens
+        else:
+            assert not out.swapped_out
+        if scheduler.swapped or swapped_before - {rid for rid, _ in out.swapped_in}:
+            assert set(ids) <= running_ids_before | swapped_before, "admitted while requests were swapped out"
+        for rid, _ in out.swapped_in:
+            assert rid in swapped_before and scheduler.requests[rid].status == RequestStatus.RUNNING
 
         # Blocks reported freed: whatever became free was reported, and what was reported is free or reused.
         freed = set(scheduler.take_freed_blocks())
         free_now = set(self.kv.pool.free_block_ids())
         reallocated = {b for _, blocks in out.allocated for b in blocks}
+        reallocated |= {device for _, pairs in out.swapped_in for _, device in pairs}
         assert free_now <= free_before | freed
         assert freed <= free_now | reallocated
 
@@ -783,7 +825,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not live & done and live | done == set(self.eos_at)
 
     def _run_shadow_model(self, out, aborted: str | None) -> None:
-        """What the model runner would do: read the KV of tokens [0, start), write that of [start, start + new)."""
+        """What the model runner would do: swap blocks out, then in (in the engine's order), then read the KV of
+        tokens [0, start), write that of [start, start + new)."""
+        size = self.kv.block_size
+        for source_content, target_content, moves in (
+            (self.slot_content, self.cpu_slot_content, out.swapped_out),
+            (self.cpu_slot_content, self.slot_content, out.swapped_in),
+        ):
+            for _, pairs in moves:
+                for source, target in pairs:
+                    for offset in range(size):
+                        content = source_content.get(source * size + offset)
+                        target_content[target * size + offset] = content
         for s in out.scheduled:
             if s.request_id == aborted:
                 continue
@@ -819,6 +872,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
             return
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, force_preemption_rate=0.0)
         # Liveness. The oldest unfinished request is scheduled every step and needs at most max_model_len
         # tokens, one step each at worst, so the requests finish one by one within this many steps. A tight
         # bound keeps a livelocking regression from making shrinking crawl.
@@ -835,6 +889,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.kv.num_free_blocks == self.num_blocks
         assert not self.kv.block_tables
         assert not self.scheduler.requests
+        if self.swap is not None:
+            assert not self.swap.block_tables and self.swap.pool.num_used_blocks == 0, "CPU blocks leaked"
 
 
 class SchedulerMachineNoChunking(SchedulerMachine):
@@ -859,12 +915,30 @@ class SchedulerMachinePrefixCaching(SchedulerMachine):
         self._setup(setup)
 
 
+class SchedulerMachineSwap(SchedulerMachine):
+    """Preemption by swap (or auto) into a small CPU pool, forced preemptions, chunked prefill on or off."""
+
+    @initialize(setup=scheduler_setups(chunked=st.booleans(), swap=True))
+    def setup(self, setup) -> None:
+        self._setup(setup)
+
+
+class SchedulerMachineSwapPrefixCaching(SchedulerMachineSwap):
+    """Swapping with prefix caching: swapped-in requests rehash their blocks; hits and swaps interleave."""
+
+    PREFIX_CACHING = True
+
+
 TestSchedulerMachineNoChunking = SchedulerMachineNoChunking.TestCase
 TestSchedulerMachineNoChunking.settings = machine_settings(max_examples=200, steps=50)
 TestSchedulerMachineChunked = SchedulerMachineChunked.TestCase
 TestSchedulerMachineChunked.settings = machine_settings(max_examples=200, steps=50)
 TestSchedulerMachinePrefixCaching = SchedulerMachinePrefixCaching.TestCase
 TestSchedulerMachinePrefixCaching.settings = machine_settings(max_examples=200, steps=50)
+TestSchedulerMachineSwap = SchedulerMachineSwap.TestCase
+TestSchedulerMachineSwap.settings = machine_settings(max_examples=300, steps=50)
+TestSchedulerMachineSwapPrefixCaching = SchedulerMachineSwapPrefixCaching.TestCase
+TestSchedulerMachineSwapPrefixCaching.settings = machine_settings(max_examples=200, steps=50)
 
 
 # -- 4. Plain unit tests ----------------------------------------------------------------------------------

@@ -17,13 +17,15 @@ from pagedlab.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its KV kept in the CPU swap space
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its processing raised; the error is in `Request.error`
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED)
 
     @property
     def finish_reason(self) -> str | None:
@@ -68,6 +70,7 @@ class Request:
         self.output_logprobs: list[dict[int, float]] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.text = ""  # set when a stop string ends the request: the output text, cut before it

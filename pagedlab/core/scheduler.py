@@ -1,11 +1,13 @@
 """The continuous-batching scheduler: at every step, who runs, how many tokens each, and who must wait.
 
 One rule drives it (vLLM V1's): each request should compute `num_tokens - num_computed_tokens` more tokens.
-Running requests go first, oldest first; waiting requests join, first come first served, while the
-`max_num_seqs` and `max_num_batched_tokens` budgets and the free blocks allow. When a running request needs a
-block and none is free, the most recently arrived running request is preempted: its blocks are freed and it
-goes back to the front of the waiting queue to be recomputed later (its generated tokens are kept). No
-request is admitted in a step that preempted.
+Running requests go first, oldest first; then swapped requests come back in; then waiting requests join,
+first come first served, while the `max_num_seqs` and `max_num_batched_tokens` budgets and the free blocks
+allow. When a running request needs a block and none is free, the most recently arrived running request is
+preempted (`pagedlab.core.preemption`): either its blocks are freed and it goes back to the front of the
+waiting queue to be recomputed later (its generated tokens are kept), or they are swapped out to the CPU
+pool and it waits in the swapped queue. No request is admitted in a step that preempted, and none while a
+swapped request waits to come back.
 
 The scheduler decides; `KVCacheManager` allocates; the model runner runs. It imports no torch.
 
@@ -19,8 +21,12 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import random
+
 from pagedlab.core.kv_cache_manager import KVCacheManager
+from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode
 from pagedlab.core.request import Request, RequestStatus
+from pagedlab.core.swap_space import Move, SwapSpace
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = False
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    force_preemption_rate: float = 0.0  # for tests: preempt the newest running request in this share of steps
+    seed: int = 0  # seeds the forced preemptions
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class SchedulerOutput:
     allocated: tuple[tuple[str, tuple[int, ...]], ...]  # (request_id, blocks added to its table)
     preempted: tuple[str, ...]
     copies: tuple[tuple[str, int, int], ...] = ()  # copy-on-write: (request_id, source block, its copy)
+    swapped_out: tuple[Move, ...] = ()  # (request_id, ((device block, cpu block), ...)), copied before the step
+    swapped_in: tuple[Move, ...] = ()  # (request_id, ((cpu block, device block), ...)), copied before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,25 +82,44 @@ class UpdateOutput:
 
 
 class Scheduler:
-    """Waiting and running queues over one `KVCacheManager`.
+    """Waiting, running and swapped queues over one `KVCacheManager` (and its `SwapSpace`, if any).
 
     Invariants:
-      - every unfinished request is in exactly one of `waiting` and `running`; finished ones in neither;
-      - `running` is sorted by arrival (then sample index), and it counts at most max_num_seqs sequences
-        (an n > 1 request that has not forked yet counts n);
-      - a running request holds a block table covering at least its computed tokens; a waiting one holds none;
-      - the block manager's own invariants hold.
+      - every unfinished request is in exactly one of `waiting`, `running` and `swapped`; finished ones in none;
+      - `running` and `swapped` are sorted by arrival (then sample index); `running` counts at most
+        max_num_seqs sequences (an n > 1 request that has not forked yet counts n);
+      - a running request holds a device block table covering at least its computed tokens; a swapped one
+        holds a CPU table of exactly its computed tokens; a waiting one holds none and has computed none;
+      - the block manager's and the swap space's own invariants hold.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        swap_space: SwapSpace | None = None,
+        cost_model: PreemptionCostModel | None = None,
+    ) -> None:
+        if config.preemption_mode != PreemptionMode.RECOMPUTE and swap_space is None:
+            raise ValueError(f"preemption_mode={config.preemption_mode.value!r} needs a swap space")
+        if config.preemption_mode == PreemptionMode.AUTO and cost_model is None:
+            raise ValueError("preemption_mode='auto' needs a cost model")
         self.config = config
         self.kv = kv_cache_manager
+        self.swap_space = swap_space
+        self.cost_model = cost_model
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # sequences preempted, by either mode
+        self.num_preemptions_by_mode = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
+        self.num_recomputed_tokens = 0  # computed tokens whose KV a recompute preemption dropped
+        self._rng = random.Random(config.seed)
         self._freed: list[int] = []  # blocks freed since the last `take_freed_blocks()`
+        self._step_scheduled: set[str] = set()  # requests already given work in the step being scheduled
+        self._swapped_out: list[Move] = []
 
     # -- queues -------------------------------------------------------------------------------------------
 
@@ -100,7 +130,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a request wherever it is (aborts, stop strings). Returns it, or None if it is unknown."""
@@ -109,6 +139,9 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap_space.free(request_id)
         else:
             self.waiting.remove(request)
         request.status = status
@@ -120,6 +153,7 @@ class Scheduler:
         preempted, waiting right behind it (to be recomputed like it)."""
         assert not parent.is_finished and child.request_id not in self.requests
         self.requests[child.request_id] = child
+        assert parent.status != RequestStatus.SWAPPED, "a swapped sequence does not fork"
         if parent.status == RequestStatus.RUNNING:
             child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent.request_id, child.request_id)
@@ -144,19 +178,56 @@ class Scheduler:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
 
-    def _preempt(self, request: Request, behind: Request | None = None) -> None:
+    def _preemption_mode(self, victim: Request) -> PreemptionMode:
+        mode = self.config.preemption_mode
+        if mode == PreemptionMode.AUTO:
+            num_blocks = len(self.kv.block_tables[victim.request_id].block_ids)
+            mode = self.cost_model.choose(num_blocks, victim.num_computed_tokens)
+        return mode
+
+    def _preempt(self, victim: Request, current: Request | None = None) -> list[str]:
+        """Preempt `victim`, by swap or recompute; return the ids of the sequences preempted.
+
+        A swap takes the victim's whole group (its n samples or beams) that has not run yet this step and is
+        no older than `current` (the request being scheduled), so that their shared blocks stay shared. When
+        the CPU pool has no room, only the victim goes, to be recomputed."""
+        if self._preemption_mode(victim) == PreemptionMode.SWAP:
+            group = [
+                r for r in self.running
+                if r.arrival_index == victim.arrival_index and r.request_id not in self._step_scheduled
+                and (current is None or r.order >= current.order)
+            ]  # fmt: skip
+            ids = [r.request_id for r in group]
+            if self.swap_space.can_swap_out(ids):
+                moves, freed = self.swap_space.swap_out(ids)
+                self._swapped_out.extend(moves)
+                self._freed.extend(freed)
+                for request in group:
+                    self.running.remove(request)
+                    request.status = RequestStatus.SWAPPED
+                    request.num_preemptions += 1
+                    bisect.insort(self.swapped, request, key=Request.order.fget)
+                self.num_preemptions += len(group)
+                self.num_preemptions_by_mode[PreemptionMode.SWAP] += len(group)
+                return ids
+        self._recompute(victim)
+        return [victim.request_id]
+
+    def _recompute(self, request: Request, behind: Request | None = None) -> None:
         """Recompute-style preemption: free every block; the request re-prefills all its tokens later.
 
-        It goes to the front of the waiting queue (it arrived before anything waiting), or right `behind` a
-        given waiting request."""
+        It goes back into the waiting queue in arrival order (in front of everything that arrived after it,
+        which is usually everything waiting), or right `behind` a given waiting request."""
         self.running.remove(request)
         self._freed.extend(self.kv.free(request.request_id))
         request.status = RequestStatus.WAITING
+        self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preemptions_by_mode[PreemptionMode.RECOMPUTE] += 1
         if behind is None:
-            self.waiting.appendleft(request)
+            bisect.insort(self.waiting, request, key=Request.order.fget)
         else:
             self.waiting.insert(self.waiting.index(behind) + 1, request)
 
@@ -165,6 +236,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         allocated: list[tuple[str, tuple[int, ...]]] = []
         preempted: list[str] = []
+        swapped_in: list[Move] = []
+        self._step_scheduled = set()
 
         def admit(request: Request, num_new_tokens: int, new_blocks: list[int]) -> None:
             nonlocal budget
@@ -172,8 +245,22 @@ class Scheduler:
             start = request.num_computed_tokens
             samples = start + num_new_tokens == request.num_tokens
             scheduled.append(ScheduledRequest(request.request_id, start, num_new_tokens, samples))
+            self._step_scheduled.add(request.request_id)
             if new_blocks:
                 allocated.append((request.request_id, tuple(new_blocks)))
+
+        def try_schedule(request: Request) -> None:
+            """Give a running request its tokens if the budget and the free blocks allow (no preemption)."""
+            num_new_tokens = self._num_new_tokens(request, budget)
+            if num_new_tokens:
+                start = request.num_computed_tokens
+                new_blocks = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
+                if new_blocks is not None:
+                    admit(request, num_new_tokens, new_blocks)
+
+        # 0. For tests (vLLM's trick): preempt the newest running request at random steps.
+        if self.running and self.config.force_preemption_rate and self._rng.random() < self.config.force_preemption_rate:
+            preempted += self._preempt(self.running[-1])
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -186,20 +273,39 @@ class Scheduler:
             start = request.num_computed_tokens
             new_blocks = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
             while new_blocks is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
+                preempted += self._preempt(self.running[-1], current=request)
+                if request.status != RequestStatus.RUNNING:
+                    break  # the request preempted itself: it was the newest, nothing after it runs
                 new_blocks = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
             if new_blocks is None:
-                break  # the request preempted itself: it was the newest, nothing after it runs
+                break
             admit(request, num_new_tokens, new_blocks)
             i += 1
 
-        # 2. Waiting requests, first come first served, unless this step had to preempt. With prefix caching a
-        #    request starts from its longest cached prefix and computes only the rest.
-        while not preempted and self.waiting and budget > 0:
+        # 2. Swapped requests come back, oldest group first, when their blocks fit with one block to spare
+        #    for each sequence's next token (or at all, when nothing else runs).
+        while not preempted and self.swapped:
+            head = self.swapped[0]
+            group = [r for r in self.swapped if r.arrival_index == head.arrival_index]
+            ids = [r.request_id for r in group]
+            spare = len(group) if self.running else 0
+            if self.num_running_seqs + len(group) > self.config.max_num_seqs:
+                break
+            if not self.swap_space.can_swap_in(ids, spare):
+                break
+            swapped_in += self.swap_space.swap_in(ids)
+            for request in group:
+                self.swapped.remove(request)
+                request.status = RequestStatus.RUNNING
+                bisect.insort(self.running, request, key=Request.order.fget)
+                self.kv.cache_full_blocks(
+                    request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt
+                )
+                try_schedule(request)
+
+        # 3. Waiting requests, first come first served, unless this step had to preempt or requests are still
+        #    swapped out. With prefix caching a request starts from its longest cached prefix.
+        while not preempted and not self.swapped and self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
@@ -219,16 +325,20 @@ class Scheduler:
             bisect.insort(self.running, request, key=Request.order.fget)
             admit(request, num_new_tokens, new_blocks)
 
-        # 3. Nothing could run, yet requests wait: the running ones are all idle (beams waiting for their
-        #    siblings' logits) and hold the blocks the waiting need. Preempt the newest; admit next step.
-        if not scheduled and self.waiting and self.running:
+        # 4. Nothing could run, yet requests wait: the running ones are all idle (beams waiting for their
+        #    siblings' logits) and hold the blocks the others need. Recompute the newest; the others go first.
+        if not scheduled and (self.waiting or self.swapped) and self.running:
             victim = self.running[-1]
-            self._preempt(victim, behind=self.waiting[0])  # the head of the queue goes first, or nothing moves
+            self._recompute(victim, behind=self.waiting[0] if self.waiting else None)
             preempted.append(victim.request_id)
 
         self.num_steps += 1
         copies = self.kv.take_copies()
-        return SchedulerOutput(self.num_steps, tuple(scheduled), tuple(allocated), tuple(preempted), copies)
+        swapped_out, self._swapped_out = tuple(self._swapped_out), []
+        return SchedulerOutput(
+            self.num_steps, tuple(scheduled), tuple(allocated), tuple(preempted), copies, swapped_out,
+            tuple(swapped_in),
+        )  # fmt: skip
 
     @property
     def num_running_seqs(self) -> int:
@@ -280,13 +390,22 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        if self.swap_space is not None:
+            self.swap_space.check_invariants()
         waiting_ids = {r.request_id for r in self.waiting}
         running_ids = {r.request_id for r in self.running}
-        assert not waiting_ids & running_ids, f"in both queues: {waiting_ids & running_ids}"
-        assert waiting_ids | running_ids == set(self.requests), "a request is lost or finished but queued"
+        swapped_ids = {r.request_id for r in self.swapped}
+        assert len(waiting_ids) + len(running_ids) + len(swapped_ids) == len(waiting_ids | running_ids | swapped_ids)
+        assert waiting_ids | running_ids | swapped_ids == set(self.requests), "a request is lost or finished but queued"
         assert self.num_running_seqs <= self.config.max_num_seqs
-        orders = [r.order for r in self.running]
-        assert orders == sorted(orders), "running is not in arrival order"
+        for queue in (self.running, self.swapped):
+            orders = [r.order for r in queue]
+            assert orders == sorted(orders), "running or swapped is not in arrival order"
+        for request in self.swapped:
+            assert request.status == RequestStatus.SWAPPED
+            assert request.request_id not in self.kv.block_tables, f"swapped {request.request_id} holds device blocks"
+            table = self.swap_space.block_tables[request.request_id]
+            assert table.num_tokens == request.num_computed_tokens
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
             table = self.kv.block_tables.get(request.request_id)

@@ -1,0 +1,297 @@
+"""One function per workload: which systems it runs, in what settings, and the table (and plots) it makes.
+
+Every function takes the `Bench` (model, tokenizer, options, roofline, progress bar) and adds its tables,
+results and plots to it. Table columns are fixed per workload (`COLUMNS`), whatever ran.
+"""
+
+from __future__ import annotations
+
+import random
+
+from pagedlab.bench import COMPARATORS, metrics, overhead, report, systems, workloads
+from pagedlab.bench.report import Table
+
+SYSTEM_COLUMNS = (
+    "system", "requests", "time_s", "output_tok_s", "total_tok_s", "requests_s", "peak_seqs", "kv_util",
+    "preemptions", "linear_flops_frac",
+)  # fmt: skip
+COLUMNS = {
+    "chat": SYSTEM_COLUMNS,
+    "nano-vllm": SYSTEM_COLUMNS,
+    "prefix": ("prefix_caching", "requests", "prefill_tokens", "prefill_cut", "ttft_p50_s", "time_s", "output_tok_s",
+               "hit_rate", "outputs_identical"),
+    "sharing": ("mode", "requests", "sequences", "output_tokens", "time_s", "output_tok_s", "peak_blocks_shared",
+                "peak_blocks_unshared", "saving"),
+    "pressure": ("preemption_mode", "kv_blocks", "time_s", "output_tok_s", "preemptions", "by_recompute", "by_swap",
+                 "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "outputs_identical"),
+    "serving": ("request_rate", "requests", "time_s", "output_tok_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
+                "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "itl_mean_s", "itl_p50_s", "itl_p99_s"),
+    "overhead": ("num_seqs", "scheduler_ms_per_step", "real_step_ms", "share_of_step", "meets_5pct_target"),
+    "sweep": ("max_num_seqs", "time_s", "output_tok_s", "peak_seqs", "kv_util"),
+}  # fmt: skip
+
+
+def _engine_options(bench, workload: workloads.Workload, **overrides) -> dict:
+    o = bench.options
+    longest_prompt = max(r.num_prompt_tokens for r in workload.requests)
+    options = dict(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_model_len=workload.max_len,
+                   max_num_batched_tokens=max(o.max_num_batched_tokens, longest_prompt), seed=o.seed)  # fmt: skip
+    options.update(overrides)
+    return options
+
+
+def _chat_workload(bench) -> workloads.Workload:
+    o = bench.options
+    return workloads.chat(bench.tokenizer, bench.vocab_size, o.num_requests or 128, o.seed, o.prompt_len,
+                          o.output_mean, o.output_len)  # fmt: skip
+
+
+# -- system tables (chat, nano-vllm) --------------------------------------------------------------------------
+
+
+def system_table(bench, workload: workloads.Workload, name: str) -> None:
+    o = bench.options
+    paged = bench.run("pagedlab", lambda bar: systems.run_pagedlab(
+        bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(bench, workload)))
+    results = [paged]
+    num_slots = paged.extra["num_kv_blocks"] * paged.extra["block_size"]
+    for system in o.compare:
+        if system == "pagedlab-contiguous":
+            results.append(bench.run(system, lambda bar: systems.run_contiguous(
+                bench.model, bench.tokenizer, workload, num_slots=num_slots, max_model_len=workload.max_len,
+                max_batch_size=o.max_num_seqs, repeats=o.repeats, bar=bar)))
+        elif system == "hf-static":
+            runs = [bench.run(f"hf-static(bs={bs})", lambda bar, bs=bs: systems.run_hf_static(
+                bench.model, workload, batch_size=bs, pad_token_id=bench.pad_token_id, repeats=o.hf_repeats, bar=bar))
+                for bs in sorted({min(bs, len(workload.requests)) for bs in o.batch_sizes})]  # fmt: skip
+            best = min(runs, key=lambda r: r.elapsed_s)
+            results.append(best)
+            if len(runs) > 1:
+                bench.note(name, "hf-static: best of batch sizes " + ", ".join(
+                    f"{r.extra['batch_size']} ({r.output_tokens_per_s:.1f} tok/s)" for r in runs))
+        elif system == "hf-cb":
+            results.append(bench.run(system, lambda bar: systems.run_hf_cb(
+                bench.model, workload, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
+                num_slots=num_slots, repeats=o.hf_repeats, bar=bar)))
+        else:
+            raise ValueError(f"unknown comparator {system!r}; choose from {', '.join(COMPARATORS)}")
+    table = Table(f"{name}: throughput per system", COLUMNS[name])
+    for result in results:
+        batch = result.steady_batch or paged.steady_batch
+        frac = bench.roofline.fraction(result.total_tokens_per_s, result.output_tokens_per_s, batch)
+        result.flops_fraction = frac
+        table.add(system=result.system, requests=result.num_requests, time_s=result.elapsed_s,
+                  output_tok_s=result.output_tokens_per_s, total_tok_s=result.total_tokens_per_s,
+                  requests_s=result.requests_per_s, peak_seqs=result.peak_num_seqs, kv_util=result.kv_utilization,
+                  preemptions=result.num_preemptions, linear_flops_frac=frac)  # fmt: skip
+    machine = bench.roofline.machine_flops
+    table.notes.append(
+        f"times: median of {o.repeats} run(s) for pagedlab systems, {o.hf_repeats} for Hugging Face ones; "
+        f"linear_flops_frac: 2 x linear params x tokens/s over torch matmul FLOP/s at the same shapes and the "
+        f"steady batch ({', '.join(f'{b}: {f / 1e9:.1f} GFLOP/s' for b, f in sorted(machine.items()))})"
+    )  # fmt: skip
+    table.notes.append(f"KV budget: {num_slots} token slots for every system; max_num_seqs {o.max_num_seqs}, "
+                       f"max_model_len {workload.max_len}")  # fmt: skip
+    bench.add_table(name, table)
+    bench.add_plot(f"{name}_throughput.png", lambda path: report.plot_throughput(
+        path, f"{name}: output tokens/s", [r.system for r in results], [r.output_tokens_per_s for r in results]))
+    kv_series = {r.system: [s.live / s.allocated for s in r.kv_per_step if s.allocated]
+                 for r in results if r.kv_per_step}  # fmt: skip
+    if kv_series:
+        bench.add_plot(f"{name}_kv_utilization.png", lambda path: report.plot_kv_utilization(
+            path, f"{name}: KV utilisation per step", kv_series))
+
+
+def chat(bench) -> None:
+    workload = _chat_workload(bench)
+    bench.describe(workload)
+    system_table(bench, workload, "chat")
+    if bench.options.sweep_max_num_seqs:
+        sweep(bench, workload)
+
+
+def nano_vllm(bench) -> None:
+    o = bench.options
+    workload = workloads.nano_vllm(bench.vocab_size, o.num_requests, o.scale, o.seed)
+    bench.describe(workload)
+    system_table(bench, workload, "nano-vllm")
+    if o.sweep_max_num_seqs:
+        sweep(bench, workload)
+
+
+def sweep(bench, workload: workloads.Workload) -> None:
+    """Throughput of pagedlab as max_num_seqs grows (the batch the scheduler may build)."""
+    table = Table(f"{workload.name}: pagedlab throughput vs max_num_seqs", COLUMNS["sweep"])
+    for m in bench.options.sweep_max_num_seqs:
+        r = bench.run(f"pagedlab max_num_seqs={m}", lambda bar, m=m: systems.run_pagedlab(
+            bench.model, bench.tokenizer, workload, repeats=bench.options.repeats, bar=bar,
+            **_engine_options(bench, workload, max_num_seqs=m)))  # fmt: skip
+        table.add(max_num_seqs=m, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s, peak_seqs=r.peak_num_seqs,
+                  kv_util=r.kv_utilization)  # fmt: skip
+    bench.add_table("sweep", table)
+    xs, ys = [r["max_num_seqs"] for r in table.rows], [r["output_tok_s"] for r in table.rows]
+    bench.add_plot(f"{workload.name}_sweep_max_num_seqs.png", lambda path: report.plot_lines(
+        path, f"{workload.name}: throughput vs max_num_seqs", "max_num_seqs", "output tokens/s",
+        {"pagedlab": (xs, ys)}, logx=True))  # fmt: skip
+
+
+# -- prefix caching -----------------------------------------------------------------------------------------
+
+
+def prefix(bench) -> None:
+    o = bench.options
+    workload = workloads.shared_prefix(bench.tokenizer, bench.vocab_size, o.num_requests or 64, o.prefix_len,
+                                       max_tokens=o.prefix_max_tokens, seed=o.seed)  # fmt: skip
+    bench.describe(workload)
+    table = Table("prefix: one shared system prompt, prefix caching off vs on", COLUMNS["prefix"])
+    runs = {}
+    for caching in (False, True):
+        runs[caching] = r = bench.run(f"prefix caching {'on' if caching else 'off'}", lambda bar, c=caching:
+            systems.run_pagedlab(bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar,
+                                 **_engine_options(bench, workload, enable_prefix_caching=c)))  # fmt: skip
+    decode_tokens = sum(spec.max_tokens - 1 for spec in workload.requests)
+    prefill = {c: r.extra["stats"]["num_computed_tokens"] - decode_tokens for c, r in runs.items()}
+    for caching, r in runs.items():
+        table.add(prefix_caching=caching, requests=r.num_requests, prefill_tokens=prefill[caching],
+                  prefill_cut=1 - prefill[caching] / prefill[False],
+                  ttft_p50_s=metrics.percentile(r.extra["ttft_s"], 50),
+                  time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
+                  hit_rate=r.extra["stats"]["prefix_cache_hits"] / max(r.extra["stats"]["prefix_cache_queries"], 1),
+                  outputs_identical=r.token_ids == runs[False].token_ids)  # fmt: skip
+    table.notes.append("prefill_tokens: prompt tokens run through the model; target cut >= 80%; "
+                       "ttft: every request arrives at t=0")  # fmt: skip
+    bench.add_table("prefix", table)
+
+
+# -- block sharing: parallel sampling and beam search --------------------------------------------------------
+
+
+def sharing(bench) -> None:
+    from pagedlab.beam_search import BeamSearchParams
+    from pagedlab.sampling_params import SamplingParams
+
+    o = bench.options
+    num = o.num_requests or 8
+    workload = workloads.random_prompts(bench.vocab_size, num, o.sharing_prompt_len, o.sharing_max_tokens, o.seed)
+    bench.describe(workload)
+    n, width = o.sharing_n, o.beam_width
+    modes = {
+        f"parallel n={n}": (n, lambda i, spec: SamplingParams(n=n, temperature=0.8, seed=o.seed + i,
+                                                              max_tokens=spec.max_tokens, ignore_eos=True)),
+        f"beam width={width}": (width, lambda i, spec: BeamSearchParams(width, spec.max_tokens, ignore_eos=True)),
+    }  # fmt: skip
+    table = Table("sharing: KV blocks with shared prompts (copy-on-write) vs n separate copies", COLUMNS["sharing"])
+    for mode, (group, params) in modes.items():
+        r = bench.run(mode, lambda bar, p=params: systems.run_pagedlab(
+            bench.model, bench.tokenizer, workload, params=p, repeats=o.repeats, bar=bar,
+            **_engine_options(bench, workload, max_num_seqs=max(o.max_num_seqs, num * group))))  # fmt: skip
+        size = r.extra["block_size"]
+        shared = max(s.allocated for s in r.kv_per_step) // size
+        unshared = max(s.unshared for s in r.kv_per_step) // size
+        generated = r.extra["stats"]["num_generated_tokens"]
+        table.add(mode=mode, requests=num, sequences=num * group, output_tokens=generated, time_s=r.elapsed_s,
+                  output_tok_s=generated / r.elapsed_s, peak_blocks_shared=shared, peak_blocks_unshared=unshared,
+                  saving=1 - shared / unshared if unshared else None)  # fmt: skip
+    table.notes.append("peak_blocks_unshared: the same step's block tables if every sequence held its own copy")
+    bench.add_table("sharing", table)
+
+
+# -- memory pressure: recompute vs swap vs auto ---------------------------------------------------------------
+
+
+def pressure(bench) -> None:
+    from pagedlab.bench.systems import engine_config
+    from pagedlab.worker.kv_cache import KVCacheSpec
+
+    o = bench.options
+    workload = _chat_workload(bench)
+    bench.describe(workload)
+    size = o.block_size
+    need = sum(-(-(r.num_prompt_tokens + r.max_tokens) // size) for r in workload.requests)
+    biggest = max(-(-(r.num_prompt_tokens + r.max_tokens) // size) for r in workload.requests)
+    pool = max(need // 4, biggest + 1)
+    spec = KVCacheSpec.from_model_config(bench.model.config, next(bench.model.parameters()).dtype)
+    swap_gib = 1.05 * need * spec.bytes_per_block(size) / 2**30
+    has_modes = hasattr(engine_config(), "preemption_mode")
+    modes = ["recompute", "swap", "auto"] if has_modes else ["recompute"]
+    table = Table(f"pressure: the chat workload on {pool} KV blocks, a quarter of the {need} it needs",
+                  COLUMNS["pressure"])  # fmt: skip
+    rows = [("ample KV", need, "recompute")] + [(m, pool, m) for m in modes]
+    reference = None
+    for label, blocks, mode in rows:
+        r = bench.run(f"pressure {label}", lambda bar, b=blocks, m=mode: systems.run_pagedlab(
+            bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(
+                bench, workload, num_kv_blocks=b, preemption_mode=m, swap_space=swap_gib)))  # fmt: skip
+        reference = reference or r.token_ids
+        s = r.extra["stats"]
+        table.add(preemption_mode=label, kv_blocks=blocks, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
+                  preemptions=s.get("num_preemptions"), by_recompute=s.get("num_preemptions_recompute"),
+                  by_swap=s.get("num_preemptions_swap"), swapped_out_blocks=s.get("num_swapped_out_blocks"),
+                  swapped_in_blocks=s.get("num_swapped_in_blocks"), recomputed_tokens=s.get("num_recomputed_tokens"),
+                  outputs_identical=r.token_ids == reference)  # fmt: skip
+    if not has_modes:
+        table.notes.append("this engine has no preemption_mode option: only recompute preemption was measured")
+    table.notes.append(f"swap space {swap_gib:.3g} GiB (room for every block); outputs compared with the ample run")
+    bench.add_table("pressure", table)
+    labels = [row["preemption_mode"] for row in table.rows]
+    values = [row["output_tok_s"] for row in table.rows]
+    bench.add_plot("pressure_throughput.png", lambda path: report.plot_throughput(
+        path, "pressure: output tokens/s", labels, values))
+
+
+# -- online serving: Poisson arrivals ------------------------------------------------------------------------
+
+
+def serving(bench) -> None:
+    o = bench.options
+    workload = _chat_workload(bench)
+    bench.describe(workload)
+    table = Table("serving: Poisson arrivals through LLMEngine.add_request / step", COLUMNS["serving"])
+    for rate in o.request_rates:
+        rng = random.Random(o.seed)
+        arrivals, t = [], 0.0
+        for _ in workload.requests:
+            arrivals.append(t)
+            t += rng.expovariate(rate)
+        r = bench.run(f"serving {rate} req/s", lambda bar, a=arrivals: systems.run_pagedlab(
+            bench.model, bench.tokenizer, workload, arrivals=a, repeats=o.repeats, bar=bar,
+            **_engine_options(bench, workload)))  # fmt: skip
+        ttft, tpot, itl = (metrics.Summary.of(r.extra[k]) for k in ("ttft_s", "tpot_s", "itl_s"))
+        table.add(request_rate=rate, requests=r.num_requests, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
+                  ttft_mean_s=ttft.mean, ttft_p50_s=ttft.p50, ttft_p99_s=ttft.p99, tpot_mean_s=tpot.mean,
+                  tpot_p50_s=tpot.p50, tpot_p99_s=tpot.p99, itl_mean_s=itl.mean, itl_p50_s=itl.p50,
+                  itl_p99_s=itl.p99)  # fmt: skip
+    table.notes.append("ttft: arrival to first token; tpot: per output token after the first; itl: between tokens")
+    bench.add_table("serving", table)
+    if len(table.rows) > 1:
+        xs = [row["request_rate"] for row in table.rows]
+        series = {k: (xs, [row[f"{k}_p50_s"] for row in table.rows]) for k in ("ttft", "tpot")}
+        bench.add_plot("serving_latency.png", lambda path: report.plot_lines(
+            path, "serving: median latency vs request rate", "requests/s", "seconds", series))
+
+
+# -- scheduler overhead ---------------------------------------------------------------------------------------
+
+
+def scheduler_overhead(bench) -> None:
+    o = bench.options
+    bench.describe(None, f"scheduler + block manager per decode step at {', '.join(map(str, o.overhead_sizes))} "
+                         "running sequences, model stubbed out")  # fmt: skip
+    table = Table("overhead: scheduler + block manager time per step (no model compute)", COLUMNS["overhead"])
+    bar = bench.bar("overhead")
+    for result in overhead.measure(bench.model, bench.tokenizer, o.overhead_sizes, o.overhead_real_sizes):
+        share = result.share
+        table.add(num_seqs=result.num_seqs, scheduler_ms_per_step=result.scheduler_ms,
+                  real_step_ms=result.real_step_ms, share_of_step=share,
+                  meets_5pct_target=None if share is None else share <= 0.05)  # fmt: skip
+        if bar is not None:
+            bar.update(1)
+    table.notes.append("real_step_ms: median decode step of the real engine at that batch with short contexts "
+                       "(a lower bound on a real step, so the share is an upper bound); target <= 5% at 256")
+    bench.add_table("overhead", table)
+
+
+RUNNERS = {
+    "chat": chat, "nano-vllm": nano_vllm, "prefix": prefix, "sharing": sharing, "pressure": pressure,
+    "serving": serving, "overhead": scheduler_overhead,
+}  # fmt: skip

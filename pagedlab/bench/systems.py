@@ -1,0 +1,299 @@
+"""The systems under test, each run over a `Workload` and returning one `RunResult`.
+
+- pagedlab: `LLMEngine` (add_request / step), with arrival times if given; its trace gives token times,
+  running sequences and KV slots per step;
+- pagedlab-contiguous: `ContiguousEngine`, static batches over one contiguous reservation per request;
+- hf-static: Hugging Face `generate` over static, left-padded batches, each run to its longest output;
+- hf-cb: Hugging Face continuous batching (`continuous_batching_context_manager`), per-request lengths.
+All are greedy and ignore EOS, so each request gets exactly its `max_tokens`. Only generation is timed, not
+building an engine or warming it up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedlab.bench import metrics
+from pagedlab.bench.workloads import Workload
+
+_PREEMPTION_STATS = (
+    "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_out_blocks", "num_swapped_in_blocks",
+    "num_recomputed_tokens",
+)  # fmt: skip
+
+
+@dataclass
+class RunResult:
+    """One system over one workload. `elapsed_s` is the median of `elapsed_runs`."""
+
+    system: str
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    elapsed_runs: list[float]
+    peak_num_seqs: int | None = None
+    kv_utilization: float | None = None  # live token slots / allocated slots, over all steps
+    kv_per_step: list[metrics.KVSample] = field(default_factory=list, repr=False)
+    num_preemptions: int | None = None
+    steady_batch: int | None = None  # median tokens per model step: the roofline's matmul batch
+    flops_fraction: float | None = None
+    extra: dict = field(default_factory=dict)  # system-specific numbers (engine stats, latencies, ...)
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def elapsed_s(self) -> float:
+        return metrics.median(self.elapsed_runs)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+
+def _base(system: str, workload: Workload) -> RunResult:
+    return RunResult(system, len(workload.requests), workload.num_prompt_tokens, workload.num_output_tokens, [])
+
+
+def _repeat(run: Callable[[], RunResult], repeats: int) -> RunResult:
+    """Run `repeats` times; keep the last run's numbers and every run's time."""
+    times, result = [], None
+    for _ in range(max(1, repeats)):
+        result = run()
+        times.extend(result.elapsed_runs)
+    result.elapsed_runs = times
+    return result
+
+
+# -- pagedlab -----------------------------------------------------------------------------------------------
+
+
+def engine_config(**options):
+    """An `EngineConfig` from the options it knows; unknown ones (an older engine) are dropped."""
+    from pagedlab.config import EngineConfig
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in options.items() if k in known and v is not None})
+
+
+def run_pagedlab(
+    model, tokenizer, workload: Workload, *, arrivals: Sequence[float] | None = None, params=None,
+    repeats: int = 1, bar=None, system: str = "pagedlab", **options,
+) -> RunResult:  # fmt: skip
+    """Run the workload on a fresh `LLMEngine` per repeat. `params(i, spec)` may give request i its own
+    `SamplingParams` or `BeamSearchParams` (default greedy, ignore_eos, max_tokens = spec.max_tokens);
+    `arrivals` are seconds after the start at which each request is added (default all at once)."""
+    return _repeat(lambda: _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system, options),
+                   repeats)  # fmt: skip
+
+
+def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system, options) -> RunResult:
+    from pagedlab.beam_search import BeamSearchParams
+    from pagedlab.engine import LLMEngine
+    from pagedlab.sampling_params import RequestOutputKind, SamplingParams
+
+    engine = LLMEngine(model, tokenizer, engine_config(record_trace=True, **options))
+    make = params or (lambda i, spec: SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True))
+    pending = [(arrivals[i] if arrivals else 0.0, i) for i in range(len(workload.requests))]
+    pending.sort()
+    request_ids = [str(i) for i in range(len(workload.requests))]
+    arrived: dict[str, float] = {}
+    step_times: list[float] = []
+    outputs = {}
+    if bar is not None:
+        bar.reset(total=len(request_ids))
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            _, i = pending.pop(0)
+            spec = workload.requests[i]
+            sampling, prompt = make(i, spec), {"prompt_token_ids": list(spec.prompt_token_ids)}
+            if isinstance(sampling, BeamSearchParams):
+                engine.add_beam_request(request_ids[i], prompt, sampling)
+            else:
+                sampling = dataclasses.replace(sampling, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(request_ids[i], prompt, sampling)
+            arrived[request_ids[i]] = now
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
+            continue
+        for output in engine.step():
+            outputs[output.request_id] = output
+            if bar is not None:
+                bar.update(1)
+        step_times.append(time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+
+    stats = engine.stats()
+    trace = engine.trace
+    result = _base(system, workload)
+    result.elapsed_runs = [elapsed]
+    result.kv_per_step = metrics.kv_samples(trace)
+    result.kv_utilization = metrics.utilization(result.kv_per_step)
+    result.peak_num_seqs = max((len(r.running) for r in trace.steps), default=0)
+    result.num_preemptions = stats.num_preemptions
+    result.steady_batch = round(metrics.median([r.num_batched_tokens for r in trace.steps if r.scheduled]))
+    result.token_ids = [outputs[rid].outputs[0].token_ids for rid in request_ids]
+    result.extra = {
+        "stats": {**dataclasses.asdict(stats), **{name: getattr(stats, name, None) for name in _PREEMPTION_STATS}},
+        "num_kv_blocks": stats.num_kv_blocks,
+        "block_size": stats.block_size,
+        "outputs": [[c.token_ids for c in outputs[rid].outputs] for rid in request_ids],
+    }
+    result.extra.update(_latencies(trace, step_times, arrived))
+    return result
+
+
+def _latencies(trace, step_times: list[float], arrived: dict[str, float]) -> dict:
+    """Per-request token times from the trace's `appended` (one record per `step()` call, in order)."""
+    token_times: dict[str, list[float]] = {}
+    for record, at in zip(trace.steps[-len(step_times):] if step_times else (), step_times):
+        for sequence_id, _ in record.appended:
+            token_times.setdefault(sequence_id.partition(":")[0], []).append(at)
+    ttft, tpot, itl = [], [], []
+    for rid, times in token_times.items():
+        if rid in arrived:
+            first, per_token, gaps = metrics.token_latencies(arrived[rid], times)
+            ttft.append(first)
+            itl.extend(gaps)
+            if per_token is not None:
+                tpot.append(per_token)
+    return {"ttft_s": ttft, "tpot_s": tpot, "itl_s": itl}
+
+
+# -- the contiguous baseline ---------------------------------------------------------------------------------
+
+
+def run_contiguous(model, tokenizer, workload: Workload, *, num_slots: int, max_model_len: int,
+                   max_batch_size: int, repeats: int = 1, bar=None) -> RunResult:  # fmt: skip
+    """`ContiguousEngine`: each request reserves max_model_len slots; static batches of up to max_batch_size."""
+    from pagedlab.contiguous import ContiguousEngine
+    from pagedlab.sampling_params import SamplingParams
+
+    def once() -> RunResult:
+        engine = ContiguousEngine(model, tokenizer, num_slots=num_slots, max_model_len=max_model_len,
+                                  max_batch_size=max_batch_size, reserve="max_model_len")  # fmt: skip
+        prompts = [list(r.prompt_token_ids) for r in workload.requests]
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests]
+        if bar is not None:
+            bar.reset(total=len(prompts))
+        start = time.perf_counter()
+        out = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        if bar is not None:
+            bar.update(len(prompts))
+        result = _base("pagedlab-contiguous", workload)
+        result.elapsed_runs = [elapsed]
+        result.kv_per_step = [metrics.KVSample(r.reserved, r.used, r.reserved, n)
+                              for r, n in zip(out.reports, out.num_running)]  # fmt: skip
+        result.kv_utilization = out.summary.utilization
+        result.peak_num_seqs = out.peak_num_seqs
+        result.num_preemptions = 0
+        result.steady_batch = round(metrics.median(list(out.num_running)))
+        result.token_ids = out.token_ids
+        result.extra = {"num_slots": num_slots, "max_model_len": max_model_len}
+        return result
+
+    return _repeat(once, repeats)
+
+
+# -- Hugging Face --------------------------------------------------------------------------------------------
+
+
+def run_hf_static(model, workload: Workload, *, batch_size: int, pad_token_id: int = 0, repeats: int = 1,
+                  bar=None) -> RunResult:  # fmt: skip
+    """`model.generate` in static batches of `batch_size` in arrival order: left padding, greedy, every row
+    generating the batch's longest output (EOS suppressed by min_new_tokens); each row's own length counts."""
+    device = next(model.parameters()).device
+    batches = [workload.requests[i : i + batch_size] for i in range(0, len(workload.requests), batch_size)]
+
+    def once() -> RunResult:
+        token_ids, kv = [], []
+        if bar is not None:
+            bar.reset(total=len(workload.requests))
+        start = time.perf_counter()
+        for batch in batches:
+            width = max(r.num_prompt_tokens for r in batch)
+            input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, r in enumerate(batch):
+                input_ids[row, width - r.num_prompt_tokens :] = torch.tensor(r.prompt_token_ids)
+                mask[row, width - r.num_prompt_tokens :] = 1
+            longest = max(r.max_tokens for r in batch)
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=longest,
+                    min_new_tokens=longest, pad_token_id=pad_token_id,
+                )  # fmt: skip
+            token_ids.extend(out[row, width : width + r.max_tokens].tolist() for row, r in enumerate(batch))
+            kv.extend(metrics.static_batch_kv([r.num_prompt_tokens for r in batch], [r.max_tokens for r in batch]))
+            if bar is not None:
+                bar.update(len(batch))
+        elapsed = time.perf_counter() - start
+        result = _base(f"hf-static(bs={batch_size})", workload)
+        result.elapsed_runs = [elapsed]
+        result.kv_per_step = kv
+        result.kv_utilization = metrics.utilization(kv)
+        result.peak_num_seqs = max(len(b) for b in batches)
+        result.num_preemptions = 0
+        result.steady_batch = batch_size
+        result.token_ids = token_ids
+        result.extra = {"batch_size": batch_size, "wasted_tokens": sum(
+            len(b) * max(r.max_tokens for r in b) for b in batches) - workload.num_output_tokens}  # fmt: skip
+        return result
+
+    return _repeat(once, repeats)
+
+
+def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_tokens: int, num_slots: int,
+              page_size: int = 256, repeats: int = 1, bar=None) -> RunResult:  # fmt: skip
+    """Hugging Face continuous batching over the same KV budget (`num_slots` tokens) and step budgets as
+    pagedlab, one request per prompt with its own max_new_tokens and EOS disabled (eos_token_id=-1). Its prefix
+    sharing is off, as pagedlab's prefix caching is by default."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    def once() -> RunResult:
+        config = ContinuousBatchingConfig(
+            page_size=page_size, num_blocks=max(num_slots // page_size, 1), max_batch_tokens=max_num_batched_tokens,
+            max_requests_per_batch=max_num_seqs, allow_block_sharing=False,
+        )  # fmt: skip
+        generation_config = GenerationConfig(do_sample=False, max_new_tokens=workload.max_len, eos_token_id=-1,
+                                             pad_token_id=0)  # fmt: skip
+        results = {}
+        if bar is not None:
+            bar.reset(total=len(workload.requests))
+        with model.continuous_batching_context_manager(generation_config=generation_config,
+                                                       continuous_batching_config=config, block=True, timeout=5) as m:
+            start = time.perf_counter()
+            ids = [m.add_request(list(r.prompt_token_ids), request_id=f"r{i}", max_new_tokens=r.max_tokens,
+                                 eos_token_id=-1) for i, r in enumerate(workload.requests)]  # fmt: skip
+            while len(results) < len(ids):
+                out = m.get_result(timeout=1)
+                if out is not None and out.is_finished():
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+                elif out is None and not m.is_running():
+                    raise RuntimeError("Hugging Face's continuous batching thread stopped early")
+            elapsed = time.perf_counter() - start
+        result = _base("hf-cb", workload)
+        result.elapsed_runs = [elapsed]
+        result.token_ids = [list(results[i].generated_tokens) for i in ids]
+        result.steady_batch = None  # not observable from outside; the report uses pagedlab's
+        result.extra = {"page_size": page_size, "num_blocks": config.num_blocks}
+        return result
+
+    return _repeat(once, repeats)

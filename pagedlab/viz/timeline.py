@@ -1,0 +1,93 @@
+"""A Gantt chart of a whole trace: one row per sequence, one column per step, coloured by state.
+
+running (scheduled in the step, or in the running queue after it): the sequence's colour; waiting: grey;
+swapped (KV parked in CPU blocks): the sequence's colour, hatched and pale. A black cross marks a preemption,
+a black bar the step a sequence finished. Rows follow the order in which sequences first appear.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from pagedlab.core.trace import Trace
+from pagedlab.viz._common import new_axes, step
+from pagedlab.viz.palette import WAITING_COLOR, appearance_order, color_map, mix
+
+STATES = ("waiting", "running", "swapped")
+
+
+def states(trace: Trace) -> dict[str, list[str | None]]:
+    """request_id -> its state at each step of the trace ("waiting", "running", "swapped" or None)."""
+    table: dict[str, list[str | None]] = {rid: [None] * len(trace.steps) for rid in appearance_order(trace)}
+    for i, record in enumerate(trace.steps):
+        for rid in record.waiting:
+            table[rid][i] = "waiting"
+        for rid in record.swapped:
+            table[rid][i] = "swapped"
+        for rid in (*record.running, *(s.request_id for s in record.scheduled)):
+            table[rid][i] = "running"
+    return table
+
+
+def _runs(row: list[str | None]):
+    """(state, first index, length) for each run of equal, non-empty states."""
+    start = 0
+    for i in range(1, len(row) + 1):
+        if i == len(row) or row[i] != row[start]:
+            if row[start] is not None:
+                yield row[start], start, i - start
+            start = i
+
+
+def draw_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
+    """Draw every sequence's state over every step of `trace`; return the figure."""
+    step(trace, 0)  # refuses an empty trace
+    colors = color_map(trace)
+    table = states(trace)
+    ax = new_axes(ax, min(4.5 + 0.12 * len(trace.steps), 12), min(1.2 + 0.28 * len(table), 8))
+    x0 = trace.steps[0].step
+    polys = {state: ([], []) for state in STATES}
+    for row, (rid, row_states) in enumerate(table.items()):
+        for state, start, length in _runs(row_states):
+            x, y = x0 + start - 0.5, row - 0.38
+            polys[state][0].append([(x, y), (x + length, y), (x + length, y + 0.76), (x, y + 0.76)])
+            face = {"waiting": WAITING_COLOR, "running": colors[rid], "swapped": mix(colors[rid], "#FFFFFF", 0.55)}
+            polys[state][1].append(face[state])
+    for state, (verts, faces) in polys.items():
+        hatch = "////" if state == "swapped" else None
+        polygons = PolyCollection(verts, facecolors=faces, edgecolors="white", linewidths=0.4, hatch=hatch)
+        polygons.set_gid(f"timeline-{state}")
+        ax.add_collection(polygons)
+    rows = {rid: row for row, rid in enumerate(table)}
+    preempted = [(r.step, rows[rid]) for r in trace.steps for rid in r.preempted]
+    finished = [(r.step, rows[rid]) for r in trace.steps for rid, _ in r.finished]
+    if preempted:
+        ax.scatter(*zip(*preempted), marker="x", color="black", s=30, zorder=3, gid="timeline-preempted")
+    if finished:
+        ax.scatter(*zip(*finished), marker="|", color="black", s=60, zorder=3, gid="timeline-finished")
+    ax.set_xlim(x0 - 0.5, trace.steps[-1].step + 0.5)
+    ax.set_ylim(len(table) - 0.5, -0.5)
+    if len(table) <= 40:
+        ax.set_yticks(range(len(table)), list(table), fontsize=7)
+    else:
+        ax.set_yticks([])
+    ax.set_xlabel("step")
+    ax.set_ylabel("sequence")
+    ax.set_title("requests over steps", fontsize=9)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    handles = [
+        Patch(facecolor=WAITING_COLOR, label="waiting"),
+        Patch(facecolor="#777777", label="running (own colour)"),
+        Patch(facecolor="#DDDDDD", hatch="////", label="swapped"),
+        Line2D([], [], marker="x", color="black", linestyle="", label="preempted"),
+        Line2D([], [], marker="|", color="black", linestyle="", markersize=9, label="finished"),
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
+    return ax.figure

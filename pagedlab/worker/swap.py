@@ -1,0 +1,85 @@
+"""The CPU side of swapping: a second KV tensor in host memory, the batched block copies, and the start-up
+measurements behind "auto" preemption (copy bandwidth and prefill speed on the actual device).
+
+The CPU cache has the device cache's layout, so moving a block is one indexed copy of the whole tensor:
+
+    cpu_cache[layer, k|v, cpu_block] <- kv_cache[layer, k|v, device_block]     for every swapped block
+
+All blocks a step swaps out go in one gather + one copy, and all it swaps in the same way. On CUDA the CPU
+cache is pinned, so the copies are DMA transfers.
+
+# Explained in chapters/06_preemption.ipynb
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from pagedlab.core.preemption import PreemptionCostModel
+from pagedlab.worker.kv_cache import KVCacheSpec
+
+
+class CPUKVCache:
+    """Host memory for `num_blocks` swapped-out blocks: `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> None:
+        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.device = device
+        self.cache = torch.empty(shape, dtype=spec.dtype, device="cpu", pin_memory=device.type == "cuda")
+
+    def swap_out(self, kv_cache: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks: pairs of (device block, cpu block)."""
+        if pairs:
+            device_ids, cpu_ids = (list(ids) for ids in zip(*pairs))
+            index = torch.tensor(device_ids, device=kv_cache.device)
+            self.cache[:, :, cpu_ids] = kv_cache[:, :, index].to("cpu")
+
+    def swap_in(self, kv_cache: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks: pairs of (cpu block, device block)."""
+        if pairs:
+            cpu_ids, device_ids = (list(ids) for ids in zip(*pairs))
+            index = torch.tensor(device_ids, device=kv_cache.device)
+            kv_cache[:, :, index] = self.cache[:, :, cpu_ids].to(kv_cache.device, non_blocking=True)
+
+
+def _best_time(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` timed calls, after one warm-up call (first touches, lazy initialisation)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_cost_model(
+    model, kv_cache: torch.Tensor, cpu_cache: CPUKVCache, spec: KVCacheSpec, block_size: int, num_tokens: int = 128
+) -> PreemptionCostModel:
+    """Time a batched swap of up to 16 blocks each way and a `num_tokens`-token prefill of the model."""
+    num_blocks = max(1, min(16, kv_cache.shape[2] - 1, cpu_cache.cache.shape[2]))
+    pairs = [(1 + i % (kv_cache.shape[2] - 1) if kv_cache.shape[2] > 1 else 0, i) for i in range(num_blocks)]
+    saved = cpu_cache.cache[:, :, :num_blocks].clone()
+    seconds = _best_time(lambda: cpu_cache.swap_out(kv_cache, pairs))
+    cpu_cache.cache[:, :, :num_blocks] = saved
+    bytes_moved = num_blocks * spec.bytes_per_block(block_size)
+    device = kv_cache.device
+    vocab = model.get_input_embeddings().num_embeddings
+    input_ids = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def prefill():
+        with torch.inference_mode():
+            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+
+    prefill_seconds = _best_time(prefill, repeats=2)
+    return PreemptionCostModel(
+        bytes_per_block=spec.bytes_per_block(block_size),
+        block_size=block_size,
+        copy_bytes_per_s=bytes_moved / max(seconds, 1e-9),
+        prefill_tokens_per_s=num_tokens / max(prefill_seconds, 1e-9),
+    )
