@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.pagedlab-installed
 
-.PHONY: install lab test test-fast chapters gpu-check clean
+.PHONY: install lab test test-fast test-browser chapters gpu-check clean
 
 install: $(STAMP)
 
@@ -29,7 +29,12 @@ test: install
 	$(PY) -m pytest tests $(wildcard chapters/*.ipynb) --nbval-lax --nbval-sanitize-with chapters/sanitize.cfg --durations=15
 
 test-fast: install
-	$(PY) -m pytest tests -m "not slow" -x -q
+	$(PY) -m pytest tests -m "not slow and not browser" -x -q
+
+# Each chapter in JupyterLab in headless Chromium (tests/browser; also part of `make test`, which skips it
+# where Chromium is missing). Needs Debian's `apt-get install chromium`; screenshots land in browser_out/.
+test-browser: install
+	PAGEDLAB_BROWSER_TEST=require $(PY) -m pytest tests/browser -v --durations=0
 
 chapters: install
 	@for nb in chapters/*.ipynb; do echo "running $$nb"; \
@@ -41,4 +46,4 @@ gpu-check: install
 	$(PY) scripts/gpu_check.py --output gpu_check.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis browser_out

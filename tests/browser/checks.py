@@ -1,0 +1,159 @@
+"""What a notebook must show in JupyterLab after "Run All Cells", checked in the page.
+
+- every code cell ran, and none has an error output;
+- every widget output rendered (a widget that fails to render shows an error or nothing);
+- every figure (image/png output) is in the page and loaded;
+- every animation player (`.pagedlab-player`, the DOM contract of `pagedlab.viz.animate`) has its play
+  button, slider, picture and event text, and pressing play advances the slider and changes the picture.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .lab import JupyterLab, run_all_cells, wait_for
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+PLAY_BUTTON = ".widget-play button:has(.fa-play)"
+PAUSE_BUTTON = ".widget-play button:has(.fa-pause)"
+SLIDER_HANDLE = ".widget-slider [role=slider]"
+FRAME = "img.pagedlab-frame"
+EVENTS = ".pagedlab-events"
+
+
+@dataclass
+class Problems:
+    """What is wrong with one notebook, each line under its name; empty (falsy) when nothing is."""
+
+    name: str
+    items: list[str] = field(default_factory=list)
+
+    def add(self, text: str) -> None:
+        self.items.append(text)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def __str__(self) -> str:
+        return f"{self.name} in JupyterLab:\n" + "\n".join(f"  - {item}" for item in self.items)
+
+
+def check_notebook(page, lab: JupyterLab, notebook: str, screenshot: Path | None, timeout: float) -> Problems:
+    """Run `notebook` (a path under the server's root) in `page` and return what is wrong with it."""
+    from playwright.sync_api import Error as PlaywrightError  # imported here: without it the tests skip
+
+    problems = Problems(Path(notebook).name)
+    page_errors: list[str] = []
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
+    try:
+        state = run_all_cells(page, lab, notebook, timeout)
+        _check_cells(state, problems)
+        _check_widgets_rendered(page, state, problems)
+        _check_figures(page, state, problems)
+        _check_players(page, problems)
+    except (TimeoutError, PlaywrightError) as error:  # the page never got there, or an element never came
+        problems.add(f"{type(error).__name__}: {str(error).strip()[:1000]}")
+    if screenshot is not None:
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        for selector in (".pagedlab-player", '.jp-OutputArea-output[data-mime-type="image/png"]'):
+            shown = page.locator(selector).filter(visible=True)
+            if shown.count():  # the first player, else the first figure
+                try:
+                    shown.first.scroll_into_view_if_needed(timeout=5000)
+                except PlaywrightError:
+                    pass  # the screenshot is for people; whatever it shows, it is taken
+                break
+        page.screenshot(path=str(screenshot))
+    if problems and page_errors:
+        problems.add("errors in the page: " + "; ".join(page_errors[:5]))
+    return problems
+
+
+def _check_cells(state: dict, problems: Problems) -> None:
+    for cell in state["cells"]:
+        for out in cell["outputs"]:
+            if out["type"] == "error":
+                tail = "\n      ".join(ANSI.sub("", out["traceback"]).strip().splitlines()[-6:])
+                problems.add(f"cell {cell['index']} raised {out['ename']}: {out['evalue']}\n      {tail}")
+    if not any(out["type"] == "error" for cell in state["cells"] for out in cell["outputs"]):
+        unrun = [cell["index"] for cell in state["cells"] if cell["count"] is None]
+        if unrun:
+            problems.add(f"cells {unrun} did not run")
+
+
+def _count_outputs(state: dict, mime: str, unless: str | None = None) -> int:
+    """Outputs that carry `mime` (and not `unless`)."""
+    return sum(
+        mime in out["mimes"] and unless not in out["mimes"] for cell in state["cells"] for out in cell["outputs"]
+    )
+
+
+def _check_widgets_rendered(page, state: dict, problems: Problems) -> None:
+    expected = _count_outputs(state, WIDGET_MIME)
+    # A widget output that fails as a whole shows "Error displaying widget" text instead of a widget.
+    rendered = page.locator(".jp-OutputArea-output > .jupyter-widgets").count()
+    if rendered < expected:
+        problems.add(f"{rendered} of {expected} widget outputs are in the page")
+    # A widget (or a child of a box) whose view fails shows ipywidgets' error sign; a click shows why.
+    errors = page.locator(".jupyter-widgets-error-widget")
+    for i in range(errors.count()):
+        errors.nth(i).click()
+        problems.add(f"a widget failed to render: {errors.nth(i).inner_text().strip()[:300]}")
+
+
+def _check_figures(page, state: dict, problems: Problems) -> None:
+    # A player's output also carries a PNG strip for readers without a kernel; JupyterLab shows the widget.
+    expected = _count_outputs(state, "image/png", unless=WIDGET_MIME)
+    images = page.locator('.jp-OutputArea-output[data-mime-type="image/png"] img')
+    loaded = sum(images.nth(i).evaluate("img => img.complete && img.naturalWidth > 0") for i in range(images.count()))
+    if loaded < expected:
+        problems.add(f"{loaded} of {expected} figures (image/png outputs) are in the page")
+
+
+def _check_players(page, problems: Problems) -> None:
+    players = page.locator(".pagedlab-player")
+    for i in range(players.count()):
+        name = f"player {i + 1} of {players.count()}"
+        player = players.nth(i)
+        player.scroll_into_view_if_needed()
+        missing = [
+            part
+            for part, selector in [("play button", PLAY_BUTTON), ("slider", SLIDER_HANDLE), ("picture", FRAME),
+                                   ("event text", EVENTS)]  # fmt: skip
+            if not player.locator(selector).count()
+        ]
+        if missing:
+            problems.add(f"{name} rendered without its {', '.join(missing)}")
+            continue
+        frame = player.locator(FRAME).first
+        if not wait_for(page, lambda: frame.evaluate("img => img.complete && img.naturalWidth > 0"), timeout=10):
+            problems.add(f"{name}: the picture never loaded")
+            continue
+        _check_play(page, player, name, problems)
+
+
+def _check_play(page, player, name: str, problems: Problems) -> None:
+    """Press play; the slider must advance and the picture change, then pause the player again."""
+    handle = player.locator(SLIDER_HANDLE).first
+    frame = player.locator(FRAME).first
+    slider_value = lambda: float(handle.get_attribute("aria-valuenow"))  # noqa: E731
+    start_value = slider_value()
+    start_picture = frame.screenshot()
+    player.locator(PLAY_BUTTON).first.click()
+    try:
+        if not wait_for(page, lambda: slider_value() > start_value, timeout=15):
+            problems.add(f"{name}: pressing play did not advance the slider (stuck at {start_value:g})")
+            return
+        if not wait_for(page, lambda: frame.screenshot() != start_picture, timeout=10, interval=0.5):
+            problems.add(
+                f"{name}: pressing play moved the slider to {slider_value():g} but the picture did not change "
+                "(does the render function raise? see the kernel log)"
+            )
+    finally:
+        pause = player.locator(PAUSE_BUTTON)
+        if pause.count():
+            pause.first.click()

@@ -1,0 +1,57 @@
+"""Each chapter, run the way readers run it: JupyterLab, "Run All Cells", then look at the page.
+
+nbval proves that the notebooks execute, but never sees a widget: `Play` does not tick without a browser,
+and a widget that fails to render shows nothing. One screenshot per chapter lands in browser_out/.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from .checks import check_notebook
+from .fake_player import BREAKAGES, player_notebook
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+SCREENSHOTS = ROOT / "browser_out"
+# Seconds for "Run All Cells" on one notebook: a ceiling for a hung chapter, generous for a busy machine.
+RUN_TIMEOUT = float(os.environ.get("PAGEDLAB_BROWSER_TIMEOUT", 600))
+
+pytestmark = pytest.mark.browser  # `make test-fast` leaves these out
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[chapter.stem for chapter in CHAPTERS])
+def test_chapter_runs_and_animates_in_jupyterlab(chapter, lab, page):
+    problems = check_notebook(page, lab, f"chapters/{chapter.name}", SCREENSHOTS / f"{chapter.stem}.png", RUN_TIMEOUT)
+    if problems:
+        pytest.fail(str(problems), pytrace=False)
+
+
+# The test of the test: a player that follows the contract passes, and each way of breaking one is caught.
+
+
+def test_a_working_fake_player_passes(lab, lab_root, page):
+    nbformat.write(player_notebook(), lab_root / "fake" / "working_player.ipynb")
+    problems = check_notebook(page, lab, "fake/working_player.ipynb", None, RUN_TIMEOUT)
+    assert not problems, str(problems)
+
+
+EXPECTED_PROBLEM = {
+    "render-raises": "raised RuntimeError: render is broken on purpose",
+    "render-raises-after-step-0": "pressing play moved the slider to",
+    "picture-fails-to-render": "rendered without its picture",
+}
+
+
+@pytest.mark.parametrize("breakage", [breakage for breakage in BREAKAGES if breakage])
+def test_a_broken_player_fails_naming_its_notebook(breakage, lab, lab_root, page):
+    name = f"broken_{breakage.replace('-', '_')}.ipynb"
+    nbformat.write(player_notebook(breakage), lab_root / "fake" / name)
+    problems = check_notebook(page, lab, f"fake/{name}", None, RUN_TIMEOUT)
+    assert problems, f"{name} passed the browser check although its player is broken ({breakage})"
+    assert str(problems).startswith(f"{name} in JupyterLab:")
+    assert EXPECTED_PROBLEM[breakage] in str(problems), str(problems)
