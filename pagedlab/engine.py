@@ -133,6 +133,7 @@ class LLMEngine:
         self._num_computed_tokens = 0
         self._num_generated_tokens = 0
         self._num_finished = 0
+        self._num_idle_steps = 0  # consecutive steps that computed nothing (only preempted or swapped)
 
     @classmethod
     def from_pretrained(cls, model=None, tokenizer=None, *, dtype="auto", device="auto", **config) -> LLMEngine:
@@ -263,8 +264,13 @@ class LLMEngine:
         An exception while processing one request (sampling, stop strings) finishes that request with
         finish_reason "error" and its message; the others go on."""
         output = self.scheduler.schedule()
-        if output.is_empty and not (output.preempted or output.swapped_in) and self.scheduler.has_unfinished_requests():
-            raise RuntimeError(f"the scheduler made no progress: {self.scheduler.waiting=} {self.scheduler.running=}")
+        self._num_idle_steps = self._num_idle_steps + 1 if output.is_empty else 0
+        stuck = output.is_empty and not (output.preempted or output.swapped_in)
+        if self.scheduler.has_unfinished_requests() and (stuck or self._num_idle_steps > 1000):
+            raise RuntimeError(
+                f"the scheduler made no progress: waiting {list(self.scheduler.waiting)}, running "
+                f"{self.scheduler.running}, swapped {self.scheduler.swapped}"
+            )
         self._move_blocks(output)
         forks = {
             s.request_id: self._fork_samples(self._sequences[s.request_id])
@@ -347,9 +353,11 @@ class LLMEngine:
                 continue
             merged.sampled.update(one.sampled)
             merged.beam_logprobs.update(one.beam_logprobs)
-        merged.sampled = {rid: v for rid, v in merged.sampled.items() if self._is_alive(rid)}
-        merged.beam_logprobs = {rid: v for rid, v in merged.beam_logprobs.items() if self._is_alive(rid)}
-        return merged, failed
+        alive = RunnerOutput(
+            {rid: v for rid, v in merged.sampled.items() if self._is_alive(rid)},
+            {rid: v for rid, v in merged.beam_logprobs.items() if self._is_alive(rid)},
+        )
+        return alive, failed
 
     def _is_alive(self, sequence_id: str) -> bool:
         """Whether the sequence's request is still unfinished (a sibling's failure finishes it too)."""

@@ -27,14 +27,18 @@ def test_tiny_models_match_hf(tiny_case, block_size, mode):
     assert run(engine, prompts, 24, mode) == expected
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_preemption_by_recompute_keeps_tokens(tiny_case, block_size):
-    """A pool so small that requests are preempted and recomputed many times; the tokens do not change."""
+def test_preemption_keeps_tokens(tiny_case, block_size, preemption_mode):
+    """A pool so small that requests are preempted (recomputed or swapped) many times; the tokens do not change."""
     model, prompts, expected = tiny_case
     num_blocks = -(-(33 + 24) // block_size)  # room for the longest request alone, and little more
-    engine = LLMEngine(model, None, EngineConfig(block_size=block_size, num_kv_blocks=num_blocks + 1))
+    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks + 1, preemption_mode=preemption_mode)
+    engine = LLMEngine(model, None, config)
     assert run(engine, prompts, 24, "all-at-once") == expected
-    assert engine.stats().num_preemptions > 0
+    stats = engine.stats()
+    by_mode = stats.num_preemptions_swap if preemption_mode == "swap" else stats.num_preemptions_recompute
+    assert by_mode > 0 and stats.num_preemptions_recompute + stats.num_preemptions_swap == stats.num_preemptions
 
 
 def test_small_step_budget_keeps_tokens(tiny_case):

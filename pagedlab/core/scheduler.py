@@ -188,14 +188,15 @@ class Scheduler:
     def _preempt(self, victim: Request, current: Request | None = None) -> list[str]:
         """Preempt `victim`, by swap or recompute; return the ids of the sequences preempted.
 
-        A swap takes the victim's whole group (its n samples or beams) that has not run yet this step and is
-        no older than `current` (the request being scheduled), so that their shared blocks stay shared. When
-        the CPU pool has no room, only the victim goes, to be recomputed."""
+        A swap takes along the victim's group (its n samples or beams) that has not run yet this step and
+        arrived after `current` (the request being scheduled, which must keep running to make progress), so
+        that their shared blocks stay shared. When the CPU pool has no room, only the victim goes, to be
+        recomputed."""
         if self._preemption_mode(victim) == PreemptionMode.SWAP:
             group = [
                 r for r in self.running
-                if r.arrival_index == victim.arrival_index and r.request_id not in self._step_scheduled
-                and (current is None or r.order >= current.order)
+                if r is victim or (r.arrival_index == victim.arrival_index and r.request_id not in self._step_scheduled
+                                   and (current is None or r.order > current.order))
             ]  # fmt: skip
             ids = [r.request_id for r in group]
             if self.swap_space.can_swap_out(ids):
