@@ -8,12 +8,16 @@ layer this function then
   1. writes the new tokens' K and V into their slots of the paged cache (`slot_mapping`), and
   2. attends each query token to its request's whole context, read through the block table.
 
-The flat batch holds decodes first (one token each, batched into one padded attention call), then prefill
-chunks (several tokens each, causal among themselves, after any context already in the cache):
+The flat batch holds decodes first (one token each), then prefill chunks (several tokens each, causal among
+themselves, after any context already in the cache):
 
     rows:  [ d0 d1 d2 ... | p0 p0 p0 p0 p0 | p1 p1 p1 ]
              decodes        prefill 0        prefill 1
 
+`decode_attention` is the reference: every decode's blocks gathered, padded to the longest, one masked SDPA.
+The forward pass runs `bucketed_decode_attention`, the same arithmetic over runs of decodes of similar length
+(the model runner sends decodes longest first), which on CPU gathers about half the keys on a chat workload
+and keeps each bucket's gathered K and V small enough to still be in cache when SDPA reads them.
 The Triton kernels in `pagedlab.kernels` compute the same thing; this file is their reference.
 
 # Explained in chapters/03_paged_attention.ipynb
@@ -45,6 +49,16 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBucket:
+    """Decode rows [start, end) of similar context length, attended together in one padded call."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [end - start, max_blocks]: the bucket's block tables, padded with block 0
+    mask: torch.Tensor | None  # [end - start, 1, 1, max_blocks * block_size], True where a key is seen; None: all
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one step, built once per step by the model runner."""
 
@@ -55,6 +69,16 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     _masks: dict = field(default_factory=dict)  # per-step cache of decode masks, by sliding window
     kernel_inputs: dict = field(default_factory=dict)  # per-step cache of what a kernel backend derives
+
+    def decode_buckets(self, block_size: int, sliding_window: int | None) -> list[DecodeBucket]:
+        """The decodes split into length buckets (built on the first layer that asks, then reused)."""
+        key = ("buckets", sliding_window)
+        buckets = self._masks.get(key)
+        if buckets is None:
+            lens = self.decode_context_lens.tolist()
+            tables = self.decode_block_tables
+            buckets = self._masks[key] = decode_buckets(tables, lens, block_size, sliding_window, tables.device)
+        return buckets
 
     def decode_mask(self, block_size: int, sliding_window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] True where a decode query may attend."""
@@ -92,6 +116,70 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """The blocks' slots, in logical order: [..., num_blocks * block_size, kv_heads, head_dim]."""
     blocks = cache.index_select(0, block_ids.reshape(-1))  # [n * num_blocks, block_size, kv_heads, head_dim]
     return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+# A bucket pads its rows to its longest, wasting at most BUCKET_SLACK of its live keys (or MIN_WASTE_TOKENS),
+# and gathers at most BUCKET_TOKENS keys per row group, so that K and V are still in cache when SDPA reads them.
+BUCKET_SLACK = 0.25
+MIN_WASTE_TOKENS = 128
+BUCKET_TOKENS = 2048
+
+
+def decode_buckets(
+    block_tables: torch.Tensor, context_lens: list[int], block_size: int, sliding_window: int | None, device,
+    slack: float = BUCKET_SLACK, max_tokens: int = BUCKET_TOKENS,
+) -> list[DecodeBucket]:  # fmt: skip
+    """Split the decode rows, in their order, into runs whose padded gather stays close to their live keys.
+
+    A run grows while padding its rows to whole blocks of its longest row costs at most `slack` more keys than
+    the rows hold, and while it gathers at most `max_tokens` keys. Rows sorted longest first (as the model
+    runner sends them) make few, tight buckets; in blocks of 16 tokens:
+
+        blocks per row:  9 9 8 8 7 | 4 4 3 | 1 1 1
+        padded gather:   9 9 9 9 9 | 4 4 4 | 1 1 1
+    """
+    buckets, start = [], 0
+    while start < len(context_lens):
+        end, longest, live = start + 1, context_lens[start], context_lens[start]
+        while end < len(context_lens):
+            new_longest, new_live = max(longest, context_lens[end]), live + context_lens[end]
+            padded = -(-new_longest // block_size) * block_size * (end + 1 - start)
+            if padded - new_live > max(slack * new_live, MIN_WASTE_TOKENS) or padded > max_tokens:
+                break
+            end, longest, live = end + 1, new_longest, new_live
+        num_blocks = -(-longest // block_size)
+        lens = context_lens[start:end]
+        mask = None
+        if sliding_window is not None or any(n != num_blocks * block_size for n in lens):
+            key_pos = torch.arange(num_blocks * block_size, device=device)
+            lens_t = torch.tensor(lens, device=device)[:, None]
+            mask = key_pos[None, :] < lens_t
+            if sliding_window is not None:  # as in AttentionMetadata.decode_mask
+                mask &= key_pos[None, :] > lens_t - 1 - sliding_window
+            mask = mask[:, None, None, :]
+        buckets.append(DecodeBucket(start, end, block_tables[start:end, :num_blocks], mask))
+        start = end
+    return buckets
+
+
+def bucketed_decode_attention(query, key_cache, value_cache, buckets: list[DecodeBucket], scale, out=None):
+    """`decode_attention` bucket by bucket: the same result, without padding every row to the longest.
+
+    query [num_decodes, q_heads, head_dim] -> out [num_decodes, q_heads, head_dim]. This is the torch path's
+    CPU workhorse: on a chat workload the reference gathers two to three times the live keys of each layer.
+    """
+    num_decodes, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    q = query.reshape(num_decodes, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    for bucket in buckets:
+        rows = slice(bucket.start, bucket.end)
+        k = _gather(key_cache, bucket.block_tables).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
+        v = _gather(value_cache, bucket.block_tables).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[rows], k, v, attn_mask=bucket.mask, scale=scale)
+        out[rows] = o.reshape(-1, num_q_heads, head_dim)
+    return out
 
 
 def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale, sliding_window):
@@ -163,7 +251,8 @@ def paged_attention_forward(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q (a transposed view)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        out[:num_decodes] = decode_attention(q[:num_decodes], key_cache, value_cache, metadata, scaling, sliding_window)
+        buckets = metadata.decode_buckets(key_cache.shape[1], sliding_window)
+        bucketed_decode_attention(q[:num_decodes], key_cache, value_cache, buckets, scaling, out=out[:num_decodes])
     for chunk in metadata.prefills:
         rows = slice(chunk.start, chunk.end)
         out[rows] = prefill_attention(
