@@ -343,13 +343,12 @@ class LLMEngine:
                 return RunnerOutput({}, {}), [self._fail(self._group_id(items[0].request.request_id), exc)]
         merged, failed = RunnerOutput({}, {}), []
         for item in items:
-            group_id = self._group_id(item.request.request_id)
-            if group_id not in self._groups and group_id not in self._beam_groups:
+            if not self._is_alive(item.request.request_id):
                 continue  # failed already, with a sibling
             try:
                 one = self.model_runner.execute([item])
             except Exception as exc:  # noqa: BLE001
-                failed.append(self._fail(group_id, exc))
+                failed.append(self._fail(self._group_id(item.request.request_id), exc))
                 continue
             merged.sampled.update(one.sampled)
             merged.beam_logprobs.update(one.beam_logprobs)
