@@ -24,6 +24,8 @@ class EngineConfig:
         "recompute" (free them, re-prefill later), "swap" (copy them to a CPU pool of `swap_space` GiB but at
         most as many blocks as the device pool, or exactly `num_cpu_blocks` blocks, and back), or "auto" (per victim, the cheaper of the two by a cost model
         measured at start-up on this device). A swap falls back to recompute when the CPU pool is full.
+    enable_partial_preemption: take from a victim only the last blocks the request needs; it keeps the rest
+        and recomputes its lost tail later (off by default, as in vLLM, which has no such mode).
     force_preemption_rate: for tests, preempt the newest running request in this share of steps (vLLM's
         artificial-preemption trick); 0 in normal use.
     seed: seeds the sampler of requests that bring no seed of their own, and the forced preemptions.
@@ -43,6 +45,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space: float = 4.0
     num_cpu_blocks: int | None = None
+    enable_partial_preemption: bool = False
     force_preemption_rate: float = 0.0
     seed: int = 0
     record_trace: bool = True

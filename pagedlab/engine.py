@@ -117,6 +117,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=self.preemption_mode,
+                enable_partial_preemption=config.enable_partial_preemption,
                 force_preemption_rate=config.force_preemption_rate,
                 seed=config.seed,
             ),
@@ -544,6 +545,7 @@ class LLMEngine:
                     for rid, t in (self.swap_space.block_tables.items() if self.swap_space else ())
                 ),
                 num_free_cpu_blocks=self.swap_space.num_free_blocks if self.swap_space else 0,
+                truncated=output.truncated,
             )
         )
 
@@ -569,6 +571,7 @@ class LLMEngine:
             num_evicted_blocks=pool.num_evicted_blocks,
             num_preemptions_recompute=self.scheduler.num_preemptions_by_mode[PreemptionMode.RECOMPUTE],
             num_preemptions_swap=self.scheduler.num_preemptions_by_mode[PreemptionMode.SWAP],
+            num_preemptions_partial=self.scheduler.num_preemptions_partial,
             num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
             num_swapped_out_blocks=swap.num_swapped_out_blocks if swap else 0,
             num_swapped_in_blocks=swap.num_swapped_in_blocks if swap else 0,

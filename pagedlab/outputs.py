@@ -48,6 +48,7 @@ class EngineStats:
     num_evicted_blocks: int = 0
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
+    num_preemptions_partial: int = 0  # only the victim's tail blocks taken (enable_partial_preemption)
     num_recomputed_tokens: int = 0  # computed tokens whose KV a recompute preemption dropped
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
@@ -71,7 +72,8 @@ class EngineStats:
             f"{self.num_computed_tokens} tokens computed, {self.num_generated_tokens} generated, "
             f"{self.num_preemptions} preemptions"
             + (
-                f" ({self.num_preemptions_recompute} recompute, {self.num_preemptions_swap} swap; "
+                f" ({self.num_preemptions_recompute} recompute, {self.num_preemptions_swap} swap, "
+                f"{self.num_preemptions_partial} partial; "
                 f"{self.num_recomputed_tokens} tokens recomputed, {self.num_swapped_out_blocks} blocks swapped out, "
                 f"{self.num_swapped_in_blocks} in)"
                 if self.num_preemptions

@@ -561,6 +561,7 @@ def scheduler_setups(draw, chunked: bool | st.SearchStrategy[bool], swap: bool =
         "max_num_batched_tokens",
     )
     mode, num_cpu_blocks, force_rate = PreemptionMode.RECOMPUTE, 0, 0.0
+    partial = draw(st.booleans(), "enable_partial_preemption")
     if swap:
         mode = draw(st.sampled_from([PreemptionMode.SWAP, PreemptionMode.AUTO]), "preemption_mode")
         num_cpu_blocks = draw(st.integers(0, 2 * num_blocks), "num_cpu_blocks")
@@ -571,6 +572,7 @@ def scheduler_setups(draw, chunked: bool | st.SearchStrategy[bool], swap: bool =
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         preemption_mode=mode,
+        enable_partial_preemption=partial,
         force_preemption_rate=force_rate,
     )
     return config, num_blocks, block_size, num_cpu_blocks
@@ -710,12 +712,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             # ones: then only a running oldest request is sure to run (liveness is checked at teardown).
             if oldest.request_id not in out.preempted and (self.swap is None or oldest.request_id in running_ids_before):
                 assert oldest.request_id in ids, f"the oldest request {oldest.request_id} was not scheduled"
+        truncated = dict(out.truncated)  # partial preemption: the victim keeps running from its first blocks
+        assert not truncated or config.enable_partial_preemption
         for s in out.scheduled:
             request = scheduler.requests[s.request_id]
             assert request.status == RequestStatus.RUNNING
             assert s.num_new_tokens >= 1
             assert s.num_computed_tokens == request.num_computed_tokens
-            if s.request_id in running_ids_before or s.request_id in swapped_before:
+            if s.request_id in truncated:
+                assert s.num_computed_tokens == truncated[s.request_id]
+            elif s.request_id in running_ids_before or s.request_id in swapped_before:
                 assert s.num_computed_tokens == computed_before[s.request_id]
             else:  # just admitted: from scratch, or from its longest cached prefix of full blocks
                 assert computed_before[s.request_id] == 0
@@ -741,20 +747,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         # keep what they computed, in a CPU table.
         if out.preempted:
             self.num_preemptions_seen += len(out.preempted)
+            victims = list(dict.fromkeys(out.preempted))  # a partial victim may give up blocks more than once
             newest_first = sorted(running_before, key=lambda r: r.order, reverse=True)
-            expected = [r.request_id for r in newest_first[: len(out.preempted)]]
-            assert list(out.preempted) == expected, f"preempted {out.preempted}, expected the newest {expected}"
+            expected = [r.request_id for r in newest_first[: len(victims)]]
+            assert victims == expected, f"preempted {out.preempted}, expected the newest {expected}"
+            whole = [rid for rid in victims if scheduler.requests[rid].status != RequestStatus.RUNNING]
+            assert len(out.preempted) - len(out.truncated) == len(whole), "a whole preemption per victim at most"
             assert set(ids) <= running_ids_before, "a step that preempted admitted a new request"
             assert not out.swapped_in, "a step that preempted swapped a request in"
             assert {r.request_id for r in scheduler.running} <= running_ids_before
-            assert not set(out.preempted) & set(ids)
-            recomputed = [rid for rid in out.preempted if scheduler.requests[rid].status == RequestStatus.WAITING]
+            assert not (set(out.preempted) - set(truncated)) & set(ids)
+            still_running = [rid for rid in victims if scheduler.requests[rid].status == RequestStatus.RUNNING]
+            for rid in still_running:  # only its tail was taken
+                victim, table = scheduler.requests[rid], self.kv.block_table(rid)
+                assert rid in truncated and victim.num_computed_tokens <= computed_before[rid] and table.block_ids
+                if rid not in ids:  # (a forced partial preemption may be followed by the victim's own turn)
+                    assert victim.num_computed_tokens == truncated[rid] == table.num_tokens
+                    assert table.num_tokens % self.kv.block_size == 0
+            recomputed = [rid for rid in victims if scheduler.requests[rid].status == RequestStatus.WAITING]
             if self.swap is None:  # with swapping, a swapped-in request may be younger than one waiting
                 front = [r.request_id for r in list(scheduler.waiting)[: len(recomputed)]]
                 assert front == list(reversed(recomputed)), "recomputed requests go to the front of waiting"
             swapped_out = [rid for rid, _ in out.swapped_out]
-            assert sorted(swapped_out) == sorted(set(out.preempted) - set(recomputed))
-            for rid in out.preempted:
+            assert sorted(swapped_out) == sorted(set(victims) - set(recomputed) - set(still_running))
+            for rid in set(victims) - set(still_running):
                 victim = scheduler.requests[rid]
                 assert rid not in self.kv.block_tables
                 assert victim.num_preemptions >= 1
@@ -762,7 +778,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert victim.num_computed_tokens == 0
                 else:
                     assert victim.status == RequestStatus.SWAPPED
-                    assert victim.num_computed_tokens == computed_before[rid]
+                    assert victim.num_computed_tokens == truncated.get(rid, computed_before[rid])
                     assert self.swap.block_tables[rid].num_tokens == victim.num_computed_tokens
         else:
             assert not out.swapped_out

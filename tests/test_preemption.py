@@ -1,5 +1,6 @@
-"""When memory runs out: preemption by recompute, swap or auto, forced preemptions, and an engine that survives
-abuse (aborts anywhere, requests whose processing raises, thousands of requests in a tight pool).
+"""When memory runs out: preemption by recompute, swap or auto (whole or partial), forced preemptions, and an
+engine that survives abuse (aborts anywhere, requests whose processing raises, thousands of requests in a tight
+pool).
 
 Every scheduling trick must leave greedy tokens unchanged, so each test compares with Hugging Face or with an
 unconstrained run, and checks that no block is left behind in either pool.
@@ -170,6 +171,75 @@ def test_forced_preemption_keeps_tokens_and_counts(model, case, mode):
     assert_no_leaks(engine)
 
 
+# -- partial preemption: only the tail blocks a victim must give up ------------------------------------------
+
+
+def test_tail_release_counts_only_unshared_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate_slots("a", 14)  # 4 blocks, the last 2/4 full
+    assert kv.num_tail_blocks_to_release("a", 2) == 2
+    assert kv.num_tail_blocks_to_release("a", 4) is None, "the first block always stays"
+    kv.fork("a", "b")
+    kv.allocate_slots("b", 15, write_from=14)  # b copies the shared last block on write
+    assert kv.num_tail_blocks_to_release("b", 1) == 1  # its private copy
+    assert kv.num_tail_blocks_to_release("b", 2) is None  # the rest is shared with a: releasing it frees nothing
+    a_blocks = list(kv.block_tables["a"].block_ids)
+    freed = kv.truncate("a", 2)
+    assert kv.block_tables["a"].num_tokens == 8 and kv.block_tables["a"].block_ids == a_blocks[:2]
+    assert freed == [a_blocks[3]], "a's last block was its own since b's copy; block 2 stays, b holds it"
+    assert kv.pool.ref_count[a_blocks[2]] == 1
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "auto"])
+def test_partial_preemption_keeps_tokens(model, case, mode, prefix_caching, chunked):
+    prompts, expected = case
+    config = dict(preemption_mode=mode, enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked,
+                  max_num_batched_tokens=16 if chunked else 2048)  # fmt: skip
+    engine = engine_for(model, enable_partial_preemption=True, **config)
+    assert run_engine(engine, prompts, MAX_TOKENS, "staggered") == expected
+    stats = engine.stats()
+    assert stats.num_preemptions_partial > 0
+    assert stats.num_preemptions == stats.num_preemptions_recompute + stats.num_preemptions_swap + stats.num_preemptions_partial
+    partial = [(rid, kept) for record in engine.trace for rid, kept in record.truncated]
+    assert len(partial) == stats.num_preemptions_partial and all(kept % 4 == 0 and kept > 0 for _, kept in partial)
+    assert_no_leaks(engine)
+    if mode == "recompute":  # giving up the tail only throws away less work than giving up everything
+        whole = engine_for(model, **config)
+        assert run_engine(whole, prompts, MAX_TOKENS, "staggered") == expected
+        assert stats.num_recomputed_tokens < whole.stats().num_recomputed_tokens
+
+
+def test_partial_preemption_with_samples_and_beams(model):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([13, 22])]
+    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=16)
+    roomy = LLM(model, block_size=4, num_kv_blocks=256)
+    tight = LLM(model, block_size=4, num_kv_blocks=16, preemption_mode="recompute", enable_partial_preemption=True)
+    tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+    assert tokens(tight.generate(prompts, params, use_tqdm=False)) == tokens(roomy.generate(prompts, params, use_tqdm=False))
+    beam = BeamSearchParams(beam_width=3, max_tokens=10)
+    beams = lambda outs: [[s.tokens for s in o.sequences] for o in outs]  # noqa: E731
+    tight_beams = LLM(model, block_size=4, num_kv_blocks=14, preemption_mode="recompute", enable_partial_preemption=True)
+    assert beams(tight_beams.beam_search(prompts, beam)) == beams(roomy.beam_search(prompts, beam))
+    assert tight.stats().num_preemptions_partial + tight_beams.stats().num_preemptions_partial > 0
+    assert_no_leaks(tight.llm_engine)
+    assert_no_leaks(tight_beams.llm_engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_partial_preemption_keeps_tokens_and_counts(model, case, mode):
+    prompts, expected = case
+    engine = engine_for(model, num_kv_blocks=512, preemption_mode=mode, force_preemption_rate=0.3, seed=3,
+                        enable_partial_preemption=True)  # fmt: skip
+    assert run_engine(engine, prompts, MAX_TOKENS) == expected
+    happened = sum(len(record.preempted) for record in engine.trace)
+    assert happened >= 5 and engine.stats().num_preemptions == happened
+    assert engine.stats().num_preemptions_partial > 0
+    assert_no_leaks(engine)
+
+
 # -- abuse --------------------------------------------------------------------------------------------------
 
 
@@ -260,7 +330,7 @@ def test_failing_stop_check_is_isolated(model, case, monkeypatch):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto", "partial"])
 def test_load_thousands_of_requests_with_aborts(model, mode):
     """2,000 requests of random lengths arriving over time, 10% aborted at random moments, a pool a few
     requests wide: each request finishes or is aborted within a bounded number of steps, with no leaks and
@@ -268,8 +338,9 @@ def test_load_thousands_of_requests_with_aborts(model, mode):
     rng = random.Random(mode)
     engine = LLMEngine(
         model, None,
-        EngineConfig(block_size=4, num_kv_blocks=40, num_cpu_blocks=24, preemption_mode=mode, max_num_seqs=32,
-                     enable_chunked_prefill=mode != "recompute", max_num_batched_tokens=64, record_trace=False),
+        EngineConfig(block_size=4, num_kv_blocks=40, num_cpu_blocks=24, max_num_seqs=32, max_num_batched_tokens=64,
+                     preemption_mode="auto" if mode == "partial" else mode, enable_partial_preemption=mode == "partial",
+                     enable_chunked_prefill=mode != "recompute", record_trace=False),
     )  # fmt: skip
     num_requests, arrivals_per_step = 2000, 4
     pending = list(range(num_requests))

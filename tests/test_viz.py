@@ -223,6 +223,17 @@ def test_describe_step_in_words():
     )
 
 
+def test_partial_preemption_in_words():
+    s = ScheduledRequest
+    before = record(1, tables=[T("a", (5,), 3), T("b", (0, 1, 2), 12)], running=["a", "b"],
+                    scheduled=[s("a", 0, 3, True), s("b", 0, 12, True)], free=5)  # fmt: skip
+    after = record(2, tables=[T("a", (5, 2), 5), T("b", (0, 1), 8)], running=["a", "b"], preempted=("b",),
+                   truncated=(("b", 8),), scheduled=[s("a", 3, 2, True)], freed=(2,), free=5)  # fmt: skip
+    assert describe_step(Trace(6, 4, steps=[before, after]), 1).startswith(
+        "step 2: seq b partially preempted (keeps its first 8 tokens' KV, recomputes the rest); "
+    )
+
+
 def test_empty_trace_is_refused():
     with pytest.raises(ValueError, match="no steps"):
         render(Trace(4, 4), 0)

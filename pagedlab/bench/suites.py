@@ -23,7 +23,7 @@ COLUMNS = {
     "sharing": ("mode", "requests", "sequences", "output_tokens", "time_s", "output_tok_s", "peak_blocks_shared",
                 "peak_blocks_unshared", "saving"),
     "pressure": ("preemption_mode", "kv_blocks", "time_s", "output_tok_s", "preemptions", "by_recompute", "by_swap",
-                 "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "outputs_identical"),
+                 "by_partial", "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "outputs_identical"),
     "serving": ("request_rate", "requests", "time_s", "output_tok_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
                 "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "itl_mean_s", "itl_p50_s", "itl_p99_s"),
     "overhead": ("num_seqs", "scheduler_ms_per_step", "real_step_ms", "share_of_step", "meets_5pct_target"),
@@ -214,19 +214,23 @@ def pressure(bench) -> None:
     swap_gib = 1.05 * need * spec.bytes_per_block(size) / 2**30
     has_modes = hasattr(engine_config(), "preemption_mode")
     modes = ["recompute", "swap", "auto"] if has_modes else ["recompute"]
+    has_partial = hasattr(engine_config(), "enable_partial_preemption")
     table = Table(f"pressure: the chat workload on {pool} KV blocks, a quarter of the {need} it needs",
                   COLUMNS["pressure"])  # fmt: skip
-    rows = [("ample KV", need, "recompute")] + [(m, pool, m) for m in modes]
+    rows = [("ample KV", need, "recompute", {})] + [(m, pool, m, {}) for m in modes]
+    if has_partial:  # partial preemption: the victim gives up only its tail blocks and recomputes them
+        rows += [(f"partial + {m}", pool, m, {"enable_partial_preemption": True}) for m in ("recompute", "auto")]
     reference = None
-    for label, blocks, mode in rows:
-        r = bench.run(f"pressure {label}", lambda bar, b=blocks, m=mode: systems.run_pagedlab(
+    for label, blocks, mode, extra in rows:
+        r = bench.run(f"pressure {label}", lambda bar, b=blocks, m=mode, x=extra: systems.run_pagedlab(
             bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(
-                bench, workload, num_kv_blocks=b, preemption_mode=m, swap_space=swap_gib)))  # fmt: skip
+                bench, workload, num_kv_blocks=b, preemption_mode=m, swap_space=swap_gib, **x)))  # fmt: skip
         reference = reference or r.token_ids
         s = r.extra["stats"]
         table.add(preemption_mode=label, kv_blocks=blocks, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
                   preemptions=s.get("num_preemptions"), by_recompute=s.get("num_preemptions_recompute"),
-                  by_swap=s.get("num_preemptions_swap"), swapped_out_blocks=s.get("num_swapped_out_blocks"),
+                  by_swap=s.get("num_preemptions_swap"), by_partial=s.get("num_preemptions_partial"),
+                  swapped_out_blocks=s.get("num_swapped_out_blocks"),
                   swapped_in_blocks=s.get("num_swapped_in_blocks"), recomputed_tokens=s.get("num_recomputed_tokens"),
                   outputs_identical=r.token_ids == reference)  # fmt: skip
     if not has_modes:

@@ -22,8 +22,8 @@ from pagedlab.bench import metrics
 from pagedlab.bench.workloads import Workload
 
 _PREEMPTION_STATS = (
-    "num_preemptions_recompute", "num_preemptions_swap", "num_swapped_out_blocks", "num_swapped_in_blocks",
-    "num_recomputed_tokens",
+    "num_preemptions_recompute", "num_preemptions_swap", "num_preemptions_partial", "num_swapped_out_blocks",
+    "num_swapped_in_blocks", "num_recomputed_tokens",
 )  # fmt: skip
 
 

@@ -129,15 +129,9 @@ class KVCacheManager:
         The copies to make are collected for `take_copies()`.
         """
         table = self.block_tables.get(request_id)
-        num_held = len(table.block_ids) if table is not None else 0
-        num_new_blocks = max(self.num_blocks_for(num_tokens) - num_held - len(computed_blocks), 0)
-        num_free_hits = sum(1 for b in computed_blocks if self.pool.is_free(b))  # taking them uses free room
-        shared_index = None
-        if table is not None and write_from is not None and write_from // self.block_size < num_held:
-            index = write_from // self.block_size
-            if self.pool.ref_count[table.block_ids[index]] > 1:
-                shared_index = index
+        num_new_blocks, shared_index = self._growth(request_id, num_tokens, computed_blocks, write_from)
         num_copies = shared_index is not None
+        num_free_hits = sum(1 for b in computed_blocks if self.pool.is_free(b))  # taking them uses free room
         if num_new_blocks + num_copies + num_free_hits > self.pool.num_free_blocks:
             return None
         if table is None:
@@ -158,6 +152,48 @@ class KVCacheManager:
         table.block_ids.extend(new_block_ids[: len(new_block_ids) - num_copies])
         table.num_tokens = max(table.num_tokens, num_tokens)
         return new_block_ids
+
+    def _growth(
+        self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = (), write_from: int | None = None
+    ) -> tuple[int, int | None]:
+        """What `allocate_slots` needs: the number of new blocks, and the index of a shared block to copy."""
+        table = self.block_tables.get(request_id)
+        num_held = len(table.block_ids) if table is not None else 0
+        num_new_blocks = max(self.num_blocks_for(num_tokens) - num_held - len(computed_blocks), 0)
+        shared_index = None
+        if table is not None and write_from is not None and write_from // self.block_size < num_held:
+            index = write_from // self.block_size
+            if self.pool.ref_count[table.block_ids[index]] > 1:
+                shared_index = index
+        return num_new_blocks, shared_index
+
+    def num_blocks_short(self, request_id: str, num_tokens: int, write_from: int | None = None) -> int:
+        """How many more free blocks a running request's `allocate_slots(num_tokens, write_from=...)` needs."""
+        num_new_blocks, shared_index = self._growth(request_id, num_tokens, (), write_from)
+        return max(num_new_blocks + (shared_index is not None) - self.pool.num_free_blocks, 0)
+
+    def num_tail_blocks_to_release(self, request_id: str, num_blocks: int) -> int | None:
+        """How many of the request's last blocks it must give up so that `num_blocks` blocks become free
+        (blocks it shares with others free nothing), keeping at least its first block; None if it cannot."""
+        block_ids = self.block_tables[request_id].block_ids
+        freed = 0
+        for count, block_id in enumerate(reversed(block_ids[1:]), start=1):
+            freed += self.pool.ref_count[block_id] == 1
+            if freed >= num_blocks:
+                return count
+        return None
+
+    def truncate(self, request_id: str, num_blocks: int) -> list[int]:
+        """Shrink the request's table to its first `num_blocks` blocks, all full (partial preemption);
+        return the blocks that became free. Released last first, like `free`."""
+        table = self.block_tables[request_id]
+        assert 0 < num_blocks <= len(table.block_ids)
+        released = table.block_ids[num_blocks:]
+        del table.block_ids[num_blocks:]
+        table.num_tokens = min(table.num_tokens, num_blocks * self.block_size)
+        if request_id in self.block_hashes:
+            del self.block_hashes[request_id][num_blocks:]
+        return self.pool.free(reversed(released))
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` a table sharing every block of the parent's (each block gets one holder more)."""

@@ -9,6 +9,10 @@ waiting queue to be recomputed later (its generated tokens are kept), or they ar
 pool and it waits in the swapped queue. No request is admitted in a step that preempted, and none while a
 swapped request waits to come back.
 
+With `enable_partial_preemption`, the victim gives up only the last blocks the request needs and keeps
+running from the rest (recomputing its lost tail later as a chunk); the newest request, when it cannot grow
+and others ran this step, waits with its blocks instead of preempting itself.
+
 The scheduler decides; `KVCacheManager` allocates; the model runner runs. It imports no torch.
 
 # Explained in chapters/05_continuous_batching.ipynb
@@ -36,6 +40,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = False
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    enable_partial_preemption: bool = False  # take only the tail blocks needed from the victim (see `_preempt_tail`)
     force_preemption_rate: float = 0.0  # for tests: preempt the newest running request in this share of steps
     seed: int = 0  # seeds the forced preemptions
 
@@ -64,6 +69,7 @@ class SchedulerOutput:
     copies: tuple[tuple[str, int, int], ...] = ()  # copy-on-write: (request_id, source block, its copy)
     swapped_out: tuple[Move, ...] = ()  # (request_id, ((device block, cpu block), ...)), copied before the step
     swapped_in: tuple[Move, ...] = ()  # (request_id, ((cpu block, device block), ...)), copied before the step
+    truncated: tuple[tuple[str, int], ...] = ()  # partial preemptions: (request_id, tokens it keeps)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -115,11 +121,13 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0  # sequences preempted, by either mode
         self.num_preemptions_by_mode = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
+        self.num_preemptions_partial = 0  # of which partial: only the victim's tail blocks were taken
         self.num_recomputed_tokens = 0  # computed tokens whose KV a recompute preemption dropped
         self._rng = random.Random(config.seed)
         self._freed: list[int] = []  # blocks freed since the last `take_freed_blocks()`
         self._step_scheduled: set[str] = set()  # requests already given work in the step being scheduled
         self._swapped_out: list[Move] = []
+        self._truncated: list[tuple[str, int]] = []
 
     # -- queues -------------------------------------------------------------------------------------------
 
@@ -214,6 +222,30 @@ class Scheduler:
         self._recompute(victim)
         return [victim.request_id]
 
+    def _preempt_tail(self, victim: Request, num_blocks: int) -> bool:
+        """Partial preemption: take from `victim` only the last blocks whose release frees `num_blocks`.
+
+        The victim keeps running from the full blocks it keeps and recomputes the rest of its tokens as a
+        prefill chunk when room comes back; its first block always stays (else it is a whole preemption).
+
+            before:  victim [4, 9, 2, 7]  14 tokens computed        the current request needs 2 blocks
+            after:   victim [4, 9]         8 tokens computed        blocks 2 and 7 are free; 6 tokens to redo
+
+        Returns False, changing nothing, when its unshared tail blocks are too few."""
+        num_released = self.kv.num_tail_blocks_to_release(victim.request_id, num_blocks)
+        if num_released is None:
+            return False
+        num_kept = len(self.kv.block_tables[victim.request_id].block_ids) - num_released
+        self._freed.extend(self.kv.truncate(victim.request_id, num_kept))
+        num_tokens_kept = min(victim.num_computed_tokens, num_kept * self.kv.block_size)
+        self.num_recomputed_tokens += victim.num_computed_tokens - num_tokens_kept
+        victim.num_computed_tokens = num_tokens_kept
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.num_preemptions_partial += 1
+        self._truncated.append((victim.request_id, num_tokens_kept))
+        return True
+
     def _recompute(self, request: Request, behind: Request | None = None) -> None:
         """Recompute-style preemption: free every block; the request re-prefills all its tokens later.
 
@@ -259,9 +291,16 @@ class Scheduler:
                 if new_blocks is not None:
                     admit(request, num_new_tokens, new_blocks)
 
-        # 0. For tests (vLLM's trick): preempt the newest running request at random steps.
+        partial = self.config.enable_partial_preemption
+        stalled = False  # with partial preemption, the newest request waits (keeping its blocks) when it cannot grow
+
+        # 0. For tests (vLLM's trick): preempt the newest running request at random steps (partially: one block).
         if self.running and self.config.force_preemption_rate and self._rng.random() < self.config.force_preemption_rate:
-            preempted += self._preempt(self.running[-1])
+            victim = self.running[-1]
+            if partial and self._preempt_tail(victim, 1):
+                preempted.append(victim.request_id)
+            else:
+                preempted += self._preempt(victim)
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -274,7 +313,15 @@ class Scheduler:
             start = request.num_computed_tokens
             new_blocks = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
             while new_blocks is None:
-                preempted += self._preempt(self.running[-1], current=request)
+                victim = self.running[-1]
+                if partial and victim is request and scheduled:
+                    stalled = True  # the newest: nobody behind it to take blocks from, so it waits its turn
+                    break
+                num_short = self.kv.num_blocks_short(request.request_id, start + num_new_tokens, write_from=start)
+                if partial and self._preempt_tail(victim, num_short):
+                    preempted.append(victim.request_id)
+                else:
+                    preempted += self._preempt(victim, current=request)
                 if request.status != RequestStatus.RUNNING:
                     break  # the request preempted itself: it was the newest, nothing after it runs
                 new_blocks = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
@@ -285,7 +332,7 @@ class Scheduler:
 
         # 2. Swapped requests come back, oldest group first, when their blocks fit with one block to spare
         #    for each sequence's next token (or at all, when nothing else runs).
-        while not preempted and self.swapped:
+        while not preempted and not stalled and self.swapped:
             head = self.swapped[0]
             group = [r for r in self.swapped if r.arrival_index == head.arrival_index]
             ids = [r.request_id for r in group]
@@ -306,7 +353,7 @@ class Scheduler:
 
         # 3. Waiting requests, first come first served, unless this step had to preempt or requests are still
         #    swapped out. With prefix caching a request starts from its longest cached prefix.
-        while not preempted and not self.swapped and self.waiting and budget > 0:
+        while not (preempted or stalled or self.swapped) and self.waiting and budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seqs > self.config.max_num_seqs:
                 break
@@ -336,9 +383,10 @@ class Scheduler:
         self.num_steps += 1
         copies = self.kv.take_copies()
         swapped_out, self._swapped_out = tuple(self._swapped_out), []
+        truncated, self._truncated = tuple(self._truncated), []
         return SchedulerOutput(
             self.num_steps, tuple(scheduled), tuple(allocated), tuple(preempted), copies, swapped_out,
-            tuple(swapped_in),
+            tuple(swapped_in), truncated,
         )  # fmt: skip
 
     @property

@@ -43,6 +43,7 @@ class StepRecord:
     swapped_in: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()  # (request_id, ((cpu, gpu) block, ...))
     cpu_block_tables: tuple[BlockTableSnapshot, ...] = ()  # swapped requests' tables in the CPU pool
     num_free_cpu_blocks: int = 0
+    truncated: tuple[tuple[str, int], ...] = ()  # partial preemptions: (request_id, computed tokens it kept)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -78,8 +78,12 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
     sampled = dict(record.appended)
     events = []
     swapped_out = dict(record.swapped_out)
+    truncated = list(record.truncated)
     for rid in record.preempted:
-        if rid in swapped_out:
+        if truncated and truncated[0][0] == rid:  # partial preemptions are listed in order in both
+            kept = truncated.pop(0)[1]
+            events.append(f"seq {rid} partially preempted (keeps its first {kept} tokens' KV, recomputes the rest)")
+        elif rid in swapped_out:
             events.append(f"seq {rid} preempted (swap: {len(swapped_out[rid])} blocks GPU -> CPU)")
         else:
             events.append(f"seq {rid} preempted (recompute)")
