@@ -68,6 +68,8 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
     bench.add_argument("--sweep-max-num-seqs", type=_ints, default=(), help="chat/nano-vllm: e.g. 8,32,128,256")
     bench.add_argument("--overhead-sizes", type=_ints, default=(256, 1024), help="overhead: running sequences")
+    bench.add_argument("--capacity-reservations", type=_ints, default=(4, 8, 16, 32),
+                       help="capacity: KV budgets, as numbers of max_model_len reservations")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("-v", "--verbose", action="store_true", help="log the engines' set-up")
@@ -86,7 +88,8 @@ def _bench(args) -> int:
         hf_repeats=args.hf_repeats, batch_sizes=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, scale=args.scale,
         request_rates=args.request_rate, sweep_max_num_seqs=args.sweep_max_num_seqs,
-        overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1], seed=args.seed,
+        overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1],
+        capacity_reservations=args.capacity_reservations, seed=args.seed,
     )  # fmt: skip
     print(report.text())
     print(f"[results written to {args.out}/]", file=sys.stderr)

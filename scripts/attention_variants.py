@@ -8,11 +8,13 @@ all are timed interleaved (round robin, median of `--repeats`), so that a busy m
 Times are per layer and include the variant's once-per-step preparation divided by the number of layers.
 
     reference   gather every request's blocks padded to the longest, one masked SDPA (chapter 03)
-    bucketed    pagedlab's CPU path: requests sorted by length, one padded gather + SDPA per length bucket,
-                on one thread (attention.CPU_DECODE_THREADS)
+    bucketed    pagedlab's CPU path: requests sorted by length, one padded gather + SDPA per length bucket
     live+loop   gather only live slots once, then one SDPA per request on its slice (no padding)
     per-seq     one index_select of the request's blocks and one SDPA per request
     flex        torch.compile'd flex_attention reading the paged cache in place through a block mask (--flex)
+
+--prefill also times one request's causal prefill SDPA with 3-D and with 4-D (batch of 1) inputs: the same
+call, yet on CPU the 4-D one is 1.3-2.5x faster, which is why `prefill_attention` adds the batch dimension.
 
 --clock cpu (the default) times the process's CPU time, which a machine shared with other jobs disturbs far
 less than wall time; run it with OMP_NUM_THREADS=1 for stable numbers, or --clock wall on a quiet machine.
@@ -199,6 +201,28 @@ def run(batch, dtype, args):
         print(f"{name:<11} {median:9.2f} {per_layer:9.2f} {ref / per_layer:6.2f} {first_call_ms[name]:12.1f}")
 
 
+def prefill_layouts(args) -> None:
+    """A causal prefill of n tokens after `context` cached ones, as 3-D and as 4-D SDPA inputs."""
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"\nprefill SDPA, 9 query heads over 3 KV heads of 64 (ms per call, median of {args.repeats})")
+    print(f"{'context':>7} {'new':>5} {'3-D':>7} {'4-D':>7} {'x':>5}")
+    for context, n in ((0, 64), (0, 200), (0, 400), (400, 16), (400, 64), (200, 200)):
+        q, k, v = torch.randn(9, n, 64), torch.randn(3, context + n, 64), torch.randn(3, context + n, 64)
+        mask = torch.arange(context + n)[None, :] <= torch.arange(context, context + n)[:, None]
+        three = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
+        four = lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]  # noqa: E731
+        torch.testing.assert_close(three(), four())
+        times = {}
+        for name, call in (("3-D", three), ("4-D", four)):
+            samples = []
+            for _ in range(args.repeats):
+                start = clock()
+                call()
+                samples.append((clock() - start) * 1e3)
+            times[name] = statistics.median(samples)
+        print(f"{context:7d} {n:5d} {times['3-D']:7.2f} {times['4-D']:7.2f} {times['3-D'] / times['4-D']:5.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
@@ -207,6 +231,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--flex", action="store_true", help="also time torch.compile'd flex_attention")
+    parser.add_argument("--prefill", action="store_true", help="also time prefill SDPA with 3-D vs 4-D inputs")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
                         help="keep: glibc keeps freed memory (what the model runner sets on CPU); default: glibc's")
@@ -217,6 +242,8 @@ def main() -> None:
     for dtype in args.dtype:
         for batch in args.batch:
             run(batch, getattr(torch, dtype), args)
+    if args.prefill:
+        prefill_layouts(args)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,14 @@ def test_overhead():
     assert second["real_step_ms"] is None
 
 
+def test_capacity():
+    report = _run("capacity", num_requests=40, capacity_reservations=(2, 4))
+    _check_tables(report, ["capacity"])
+    for row in report.tables["capacity"].rows:
+        assert row["contiguous_peak"] == row["kv_slots"] // (30 + 12)  # one max_model_len reservation each
+        assert row["paged_peak"] > row["contiguous_peak"] and row["ratio_mean"] > 1
+
+
 def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="workload"):
         run_benchmark("nope", model=tiny_model(), progress=False)

@@ -23,7 +23,7 @@ from pagedlab.bench.report import Table
 
 __all__ = ["BenchOptions", "BenchmarkReport", "run_benchmark", "WORKLOADS", "COMPARATORS"]
 
-WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead")
+WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity")
 COMPARATORS = ("hf-static", "hf-cb", "pagedlab-contiguous")
 
 
@@ -54,6 +54,7 @@ class BenchOptions:
     sweep_max_num_seqs: tuple[int, ...] = ()  # chat / nano-vllm
     overhead_sizes: tuple[int, ...] = (256, 1024)
     overhead_real_sizes: tuple[int, ...] = (256,)  # where a real step is timed for the share
+    capacity_reservations: tuple[int, ...] = (4, 8, 16, 32)  # capacity: KV budgets, in max_model_len reservations
 
 
 @dataclass

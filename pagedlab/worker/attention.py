@@ -200,23 +200,25 @@ def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata,
 
 
 def prefill_attention(query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale, sliding_window):
-    """One request's new tokens: query [n, q_heads, head_dim], its own key/value [n, kv_heads, head_dim]."""
-    q = query.transpose(0, 1)  # [q_heads, n, head_dim]
+    """One request's new tokens: query [n, q_heads, head_dim], its own key/value [n, kv_heads, head_dim].
+
+    The tensors go to SDPA with a batch dimension of 1: on CPU, torch 2.13 runs 4-D inputs 1.3-2.5x faster
+    than the same 3-D ones (9:3 heads, 16-400 tokens; `scripts/attention_variants.py --prefill`)."""
+    q = query.transpose(0, 1)[None]  # [1, q_heads, n, head_dim]
     if chunk.num_context == 0 and sliding_window is None:
-        out = F.scaled_dot_product_attention(
-            q, key.transpose(0, 1), value.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
-        )
-        return out.transpose(0, 1)
+        k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
     num_keys = chunk.num_context + chunk.num_new
-    k = _gather(key_cache, chunk.block_ids)[:num_keys].transpose(0, 1)  # [kv_heads, keys, head_dim]
-    v = _gather(value_cache, chunk.block_ids)[:num_keys].transpose(0, 1)
+    k = _gather(key_cache, chunk.block_ids)[:num_keys].transpose(0, 1)[None]  # [1, kv_heads, keys, head_dim]
+    v = _gather(value_cache, chunk.block_ids)[:num_keys].transpose(0, 1)[None]
     q_pos = torch.arange(chunk.num_context, num_keys, device=query.device)[:, None]
     k_pos = torch.arange(num_keys, device=query.device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention_forward(
