@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_decode import paged_decode
+from .paged_decode import paged_decode, scratch
 from .paged_prefill import paged_prefill
 from .store_kv import store_kv
 
@@ -48,12 +48,15 @@ def triton_attention(
     """Returns out [num_tokens, q_heads, head_dim], like the torch path (rows outside every chunk and past the
     decodes are left uninitialised, as there)."""
     store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # One output buffer for every layer of the step: layer l's output is read (by its o_proj) before layer
+    # l + 1 writes, in stream order. Likewise split-K's partials. Nothing is allocated per layer.
+    workspace = metadata.kernel_inputs
+    out = scratch(workspace, "out", tuple(q.shape), q.device, q.dtype)
     num_decodes = metadata.num_decodes
     if num_decodes:
         paged_decode(
             q[:num_decodes], key_cache, value_cache, metadata.decode_block_tables, metadata.decode_context_lens,
-            scale, sliding_window, out=out[:num_decodes],
+            scale, sliding_window, out=out[:num_decodes], workspace=workspace,
         )  # fmt: skip
     if metadata.prefills:
         inputs = metadata.kernel_inputs.get("prefill")  # built once per step, not once per layer

@@ -268,6 +268,16 @@ def check_devices(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
+def scratch(workspace: dict | None, name: str, shape: tuple, device, dtype=torch.float32) -> torch.Tensor:
+    """An uninitialised buffer, kept in `workspace` (when given) for the next call that asks the same."""
+    buffer = workspace.get(name) if workspace is not None else None
+    if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != torch.device(device):
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        if workspace is not None:
+            workspace[name] = buffer
+    return buffer
+
+
 def paged_decode(
     query: torch.Tensor,  # [B, q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -279,6 +289,7 @@ def paged_decode(
     *,
     split_k: bool | None = None,  # None: decided by `use_split_k`
     out: torch.Tensor | None = None,  # [B, q_heads, head_dim], written in place
+    workspace: dict | None = None,  # split-K's partial results live here, reused by every call of a step
 ) -> torch.Tensor:
     """Decode attention through the block tables; returns `out` ([B, q_heads, head_dim], query's dtype).
 
@@ -327,9 +338,10 @@ def paged_decode(
         return out
 
     num_partitions = triton.cdiv(max_context_len, PARTITION_SIZE)
-    partial_max = torch.empty(batch_size, num_q_heads, num_partitions, dtype=torch.float32, device=query.device)
-    partial_sum = torch.empty_like(partial_max)
-    partial_out = torch.empty(*partial_max.shape, head_dim, dtype=torch.float32, device=query.device)
+    shape = (batch_size, num_q_heads, num_partitions)
+    partial_max = scratch(workspace, "split_k_max", shape, query.device)
+    partial_sum = scratch(workspace, "split_k_sum", shape, query.device)
+    partial_out = scratch(workspace, "split_k_out", (*shape, head_dim), query.device)
     paged_decode_split_kernel[(batch_size, num_kv_heads, num_partitions)](
         partial_max, partial_sum, partial_out, query, key_cache, value_cache, block_tables, context_lens,
         scale_log2e, window, query.stride(0), query.stride(1), *cache_strides,

@@ -20,6 +20,9 @@ class EngineConfig:
     attention_backend: "torch" (the reference, any device), "triton" (the kernels of pagedlab.kernels; on CPU
         they run in Triton's interpreter: slow, for stepping through them, and TRITON_INTERPRET=1 must be set
         before anything imports triton), or "auto": Triton on CUDA when it is installed, else torch.
+    enforce_eager: never record decode steps as CUDA graphs (vLLM's name). By default, on CUDA with the Triton
+        backend, pure-decode steps replay graphs recorded at start-up for padded batch sizes up to max_num_seqs
+        (`pagedlab.worker.cuda_graph`); elsewhere everything runs eagerly anyway.
     preemption_mode: what a preempted request does with its KV blocks (see `pagedlab.core.preemption`):
         "recompute" (free them, re-prefill later), "swap" (copy them to a CPU pool of `swap_space` GiB but at
         most as many blocks as the device pool, or exactly `num_cpu_blocks` blocks, and back), or "auto" (per victim, the cheaper of the two by a cost model
@@ -42,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     preemption_mode: str = "auto"
     swap_space: float = 4.0
     num_cpu_blocks: int | None = None

@@ -95,6 +95,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(
             model, spec, num_blocks, config.block_size, config.seed, self.attention_backend
         )
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+            self.model_runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self._bytes_per_block = spec.bytes_per_block(config.block_size)
         self.preemption_mode = PreemptionMode(config.preemption_mode)
         self.swap_space, self.cpu_kv_cache, self.cost_model = None, None, None

@@ -1,4 +1,4 @@
-"""GPU check of the Triton kernels: the full correctness grid, then a decode micro-benchmark. CUDA only.
+"""GPU check: the Triton kernels' full correctness grid, a decode micro-benchmark, the engine. CUDA only.
 
     python scripts/gpu_check.py [--output gpu_check.md] [--skip-tests] [--skip-bench]
 
@@ -27,8 +27,20 @@
    versions forced, to check the rule; SDPA us: torch's fused attention over the contiguous K/V;
    SDPA / kernel > 1 means the paged kernel is faster. Small rows are launch-bound: expect low "of copy".
 
-The table also goes to --output (default gpu_check.md in the working directory). The whole script takes
-about 3 minutes on an H100/H200 on a first run, most of it Triton compiling the grid's kernel variants (cached
+3. Runs the embedded SmolLM2 (bfloat16) through the engine on 64 random-token prompts of 20-400 tokens with 128
+   greedy output tokens each (EOS ignored), once with decode steps replayed from CUDA graphs and once with
+   `enforce_eager=True`, checks that both give the same tokens (exit status 1 otherwise), then times Hugging
+   Face `generate` on the same prompts in one left-padded static batch:
+
+    # engine: SmolLM2-135M-Instruct, bfloat16, 64 random-token prompts ...; graphed tokens == eager tokens: True
+    | system | time s | output tok/s |
+    |:-------|-------:|-------------:|
+    | pagedlab (CUDA graphs) | ... | ... |
+    | pagedlab (enforce_eager) | ... | ... |
+    | HF generate (one static batch) | ... | ... |
+
+The tables also go to --output (default gpu_check.md in the working directory). The whole script takes
+about 3-4 minutes on an H100/H200 on a first run, most of it Triton compiling the grid's kernel variants (cached
 in ~/.triton/cache afterwards). Without CUDA it prints why and exits with status 2.
 """
 
@@ -51,7 +63,7 @@ def run_kernel_tests() -> bool:
     env = {**os.environ, "PAGEDLAB_FULL_KERNEL_GRID": "1"}
     env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU, not the interpreter
     command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_kernels.py"), "-q", "-p", "no:cacheprovider"]
-    print(f"[1/2] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
+    print(f"[1/3] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env)
     print(f"      {time.perf_counter() - start:.0f} s", flush=True)
@@ -86,7 +98,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / seconds
 
 
-def benchmark(output: Path, device_name: str = "cuda") -> None:
+def benchmark(device_name: str = "cuda") -> list[str]:
     import torch
     import torch.nn.functional as F
     import triton
@@ -96,7 +108,7 @@ def benchmark(output: Path, device_name: str = "cuda") -> None:
     device = torch.device(device_name)
     props = torch.cuda.get_device_properties(device)
     dtype = torch.bfloat16
-    print(f"[2/2] decode micro-benchmark on {props.name}", flush=True)
+    print(f"[2/3] decode micro-benchmark on {props.name}", flush=True)
     copy_bw = copy_bandwidth()
     lines = [
         f"# gpu_check: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -152,8 +164,73 @@ def benchmark(output: Path, device_name: str = "cuda") -> None:
             lines.append(line)
             del key_cache, value_cache, key, value
             torch.cuda.empty_cache()
-    output.write_text("\n".join(lines) + "\n")
-    print(f"table written to {output}", flush=True)
+    return lines
+
+
+def engine_benchmark(num_prompts: int = 64, max_tokens: int = 128) -> list[str]:
+    """The embedded SmolLM2 in bfloat16 through the engine, decode steps replayed from CUDA graphs and eager,
+    then Hugging Face `generate` on the same prompts in one static batch. Greedy, EOS ignored, so every
+    system produces num_prompts x max_tokens tokens; the graphed tokens must equal the eager ones."""
+    import random
+
+    import torch
+
+    from pagedlab import LLM, SamplingParams
+
+    print(f"[3/3] engine: {num_prompts} prompts x {max_tokens} tokens, CUDA graphs on/off, HF generate", flush=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(dtype="bfloat16", device="cuda", max_num_seqs=num_prompts)
+    model, tokenizer = llm.llm_engine.model, llm.get_tokenizer()
+    rng = random.Random(0)
+    vocab = model.get_input_embeddings().num_embeddings
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(20, 400))]}
+               for _ in range(num_prompts)]  # fmt: skip
+    results, tokens = {}, {}
+    for name, options in (("pagedlab (CUDA graphs)", None), ("pagedlab (enforce_eager)", {"enforce_eager": True})):
+        if options is not None:
+            llm = LLM(model, tokenizer, dtype="bfloat16", device="cuda", max_num_seqs=num_prompts, **options)
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        results[name] = time.perf_counter() - start
+        tokens[name] = [o.outputs[0].token_ids for o in outputs]
+        graphs = llm.llm_engine.model_runner.decode_graphs
+        state = f"on, sizes {sorted(graphs.graphs)}" if graphs else "off"
+        print(f"  {name}: {results[name]:.2f} s; graphs {state}", flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    same = tokens["pagedlab (CUDA graphs)"] == tokens["pagedlab (enforce_eager)"]
+    print(f"  graphed tokens == eager tokens: {same}", flush=True)
+
+    batch = [p["prompt_token_ids"] for p in prompts]
+    width = max(map(len, batch))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device="cuda")
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+    model.generate(input_ids=input_ids[:4], attention_mask=attention_mask[:4], max_new_tokens=4, do_sample=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens, do_sample=False,
+                   min_new_tokens=max_tokens, pad_token_id=pad)  # fmt: skip
+    torch.cuda.synchronize()
+    results["HF generate (one static batch)"] = time.perf_counter() - start
+
+    lines = [
+        "",
+        f"# engine: SmolLM2-135M-Instruct, bfloat16, {num_prompts} random-token prompts of 20-400 tokens, "
+        f"{max_tokens} output tokens each (greedy, EOS ignored); graphed tokens == eager tokens: {same}",
+        "| system | time s | output tok/s |",
+        "|:-------|-------:|-------------:|",
+    ]
+    for name, seconds in results.items():
+        lines.append(f"| {name} | {seconds:.2f} | {num_prompts * max_tokens / seconds:.0f} |")
+    print("\n".join(lines), flush=True)
+    if not same:
+        print("gpu_check: decode steps replayed from CUDA graphs changed the greedy tokens", file=sys.stderr)
+        raise SystemExit(1)
+    return lines
 
 
 def main() -> int:
@@ -182,7 +259,10 @@ def main() -> int:
         print("gpu_check: the kernel grid failed; not benchmarking kernels that are wrong", file=sys.stderr)
         return 1
     if not args.skip_bench:
-        benchmark(args.output)
+        lines = benchmark()
+        lines += engine_benchmark()
+        args.output.write_text("\n".join(lines) + "\n")
+        print(f"table written to {args.output}", flush=True)
     print(f"gpu_check: done in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -60,6 +60,7 @@ from pagedlab.kernels.reference import (  # noqa: E402
     store_kv_reference,
 )
 from pagedlab.kernels.store_kv import store_kv  # noqa: E402
+from pagedlab.worker.cuda_graph import EagerGraph, capture_sizes  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FULL = torch.cuda.is_available() or os.environ.get("PAGEDLAB_FULL_KERNEL_GRID", "0") not in ("", "0")
@@ -163,6 +164,18 @@ def test_split_k_matches_reference(case):
 def test_split_k_sliding_window(sliding_window):
     """Windows that start inside, or skip whole, partitions."""
     run_decode((3, 64, 16, torch.float32), SPLIT_LENS, sliding_window, split_k=True)
+
+
+def test_split_k_reuses_its_workspace():
+    key_cache, value_cache, block_tables = paged_cache([700, 1100], 16, 1, 64, torch.float32)
+    query, lens = random_query(2, 3, 64, torch.float32), torch.tensor([700, 1100], device=DEVICE)
+    workspace: dict = {}
+    first = paged_decode(query, key_cache, value_cache, block_tables, lens, split_k=True, workspace=workspace)
+    buffers = {name: t.data_ptr() for name, t in workspace.items()}
+    second = paged_decode(query, key_cache, value_cache, block_tables, lens, split_k=True, workspace=workspace)
+    assert sorted(buffers) == ["split_k_max", "split_k_out", "split_k_sum"]
+    assert {name: t.data_ptr() for name, t in workspace.items()} == buffers
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
 
 
 def test_use_split_k_rule():
@@ -288,6 +301,10 @@ def test_triton_attention_equals_torch_path(sliding_window):
                            key_cache, value_cache, metadata, scale, sliding_window)  # fmt: skip
     torch.testing.assert_close(kv_cache, torch_cache, rtol=0, atol=0)
     torch.testing.assert_close(out, expected[0], **TOL[torch.float32])
+    # the next layer of the same step writes into the same buffer: nothing is allocated per layer
+    again = triton_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                             key_cache, value_cache, metadata, scale, sliding_window)  # fmt: skip
+    assert again.data_ptr() == out.data_ptr()
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -350,3 +367,58 @@ def test_engine_with_the_triton_backend_matches_torch():
         assert llm.llm_engine.attention_backend == backend
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts * 2, params, use_tqdm=False)]
     assert results["triton"] == results["torch"]
+
+
+# -- decode steps recorded as graphs (CUDA graphs on a GPU; here their CPU stand-in) --------------------------
+
+
+class CountingGraph(EagerGraph):
+    replays = 0
+
+    def replay(self) -> None:
+        CountingGraph.replays += 1
+        super().replay()
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(256)[-3:] == [192, 224, 256] and capture_sizes(300)[-2:] == [256, 300]
+
+
+def test_decode_graphs_keep_the_tokens():
+    """Decode steps replayed from recorded graphs at padded sizes give the eager engine's greedy tokens."""
+    from pagedlab import LLM, SamplingParams
+    from tests.conftest import random_prompts, tiny_model
+
+    model = tiny_model("llama-gqa3-hd80")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 1, 9, 12])]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (3, 6, 8, 5, 7)]  # batches of 5, 4, 3, 2, 1
+    config = dict(block_size=4, num_kv_blocks=64, attention_backend="triton", max_num_seqs=6, max_model_len=64)
+    eager = LLM(model, **config)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    graphed = LLM(model, **config)
+    runner = graphed.llm_engine.model_runner
+    assert runner.capture_decode_graphs(6, 64, graph_class=CountingGraph)
+    assert sorted(runner.decode_graphs.graphs) == [1, 2, 4, 6]
+    CountingGraph.replays = 0
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)] == expected
+    assert CountingGraph.replays >= 7, "the decode steps did not replay graphs"
+    assert graphed.llm_engine.kv_cache_manager.num_free_blocks == 64
+
+
+def test_decode_graphs_that_cannot_be_recorded_are_switched_off(caplog):
+    from pagedlab import LLM
+    from tests.conftest import tiny_model
+
+    llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=16, attention_backend="triton", max_num_seqs=2)
+    runner = llm.llm_engine.model_runner
+
+    class Unrecordable(EagerGraph):
+        def capture(self, forward):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert not runner.capture_decode_graphs(2, 32, graph_class=Unrecordable)
+    assert runner.decode_graphs is None and "CUDA graphs off" in caplog.text
+    with pytest.raises(ValueError, match="Triton"):
+        LLM(tiny_model("llama"), block_size=4, num_kv_blocks=16).llm_engine.model_runner.capture_decode_graphs(2, 32)

@@ -20,6 +20,7 @@ from pagedlab.core.kv_cache_manager import BlockTable
 from pagedlab.core.request import Request
 from pagedlab.core.scheduler import ScheduledRequest
 from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext, PrefillChunk
+from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
 from pagedlab.worker.sampler import Sampler, SamplerOutput, SamplingRequest
 
@@ -99,6 +100,29 @@ class ModelRunner:
             keep_freed_memory()  # else each step page-faults its big tensors in afresh (see the function)
         self.kv_cache = spec.allocate(num_blocks, block_size, self.device)
         self.sampler = Sampler(seed, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, graph_class: type = CudaGraph) -> bool:
+        """Record decode steps as CUDA graphs (`pagedlab.worker.cuda_graph`); False if that failed (eager then).
+        `graph_class=EagerGraph` runs the same bookkeeping without a GPU."""
+        if self.attention_backend != "triton":
+            raise ValueError("decode graphs need the Triton attention backend (the torch one plans in Python)")
+        graphs = DecodeGraphs(self._forward, self.kv_cache, max_num_seqs, max_model_len, self.block_size, graph_class)
+        with torch.inference_mode():
+            if graphs.capture_all():
+                self.decode_graphs = graphs
+        return self.decode_graphs is not None
+
+    def _forward(self, input_ids, positions, context: PagedAttentionContext, logits_to_keep=0) -> torch.Tensor:
+        """The unmodified model on one flat row, with pagedlab's attention: logits [rows kept, vocab]."""
+        with _attention_implementation(self.model, ATTENTION_NAME):
+            return self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+                pagedlab_context=context,
+            ).logits[0]
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Clear newly allocated blocks in every layer, so that masked-out slots hold finite values."""
@@ -115,16 +139,15 @@ class ModelRunner:
         """Compute the step: sample a token for each request that samples; beam-search sequences get their
         next-token log-probabilities instead, for the engine's beam step to choose from."""
         input_ids, positions, sample_rows, metadata = self._prepare(items)
-        context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend)
         rows = [request for item in items if item.scheduled.samples for request in (item.request, *item.forks)]
-        with torch.inference_mode(), _attention_implementation(self.model, ATTENTION_NAME):
-            logits = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-                pagedlab_context=context,
-            ).logits[0]
+        graphs = self.decode_graphs
+        with torch.inference_mode():
+            if graphs is not None and not metadata.prefills and graphs.size_for(metadata.num_decodes):
+                logits = graphs.run(input_ids, positions, metadata)[sample_rows]  # a recorded decode step
+            else:
+                context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend)
+                keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+                logits = self._forward(input_ids, positions, context, keep)
             sampled_rows = [i for i, request in enumerate(rows) if not request.is_beam]
             beam_rows = [i for i, request in enumerate(rows) if request.is_beam]
             sampling = [self._sampling_request(rows[i]) for i in sampled_rows]
