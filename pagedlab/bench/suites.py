@@ -51,11 +51,13 @@ def _chat_workload(bench) -> workloads.Workload:
 # -- system tables (chat, nano-vllm) --------------------------------------------------------------------------
 
 
-def system_table(bench, workload: workloads.Workload, name: str) -> None:
+def system_table(bench, workload: workloads.Workload, name: str) -> list:
+    """Run pagedlab and the comparators on `workload`; return their results (hf-static: every batch size)."""
     o = bench.options
     paged = bench.run("pagedlab", lambda bar: systems.run_pagedlab(
         bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(bench, workload)))
     results = [paged]
+    hf_static_runs = []
     num_slots = paged.extra["num_kv_blocks"] * paged.extra["block_size"]
     for system in o.compare:
         if system == "pagedlab-contiguous":
@@ -68,6 +70,7 @@ def system_table(bench, workload: workloads.Workload, name: str) -> None:
                 for bs in sorted({min(bs, len(workload.requests)) for bs in o.batch_sizes})]  # fmt: skip
             best = min(runs, key=lambda r: r.elapsed_s)
             results.append(best)
+            hf_static_runs = runs
             if len(runs) > 1:
                 bench.note(name, "hf-static: best of batch sizes " + ", ".join(
                     f"{r.extra['batch_size']} ({r.output_tokens_per_s:.1f} tok/s)" for r in runs))
@@ -102,27 +105,34 @@ def system_table(bench, workload: workloads.Workload, name: str) -> None:
     if kv_series:
         bench.add_plot(f"{name}_kv_utilization.png", lambda path: report.plot_kv_utilization(
             path, f"{name}: KV utilisation per step", kv_series))
+    return results[:1] + hf_static_runs + [r for r in results[1:] if r not in hf_static_runs]
 
 
 def chat(bench) -> None:
     workload = _chat_workload(bench)
     bench.describe(workload)
-    system_table(bench, workload, "chat")
+    results = system_table(bench, workload, "chat")
     if bench.options.sweep_max_num_seqs:
-        sweep(bench, workload)
+        sweep(bench, workload, results)
 
 
 def nano_vllm(bench) -> None:
     o = bench.options
     workload = workloads.nano_vllm(bench.vocab_size, o.num_requests, o.scale, o.seed)
     bench.describe(workload)
-    system_table(bench, workload, "nano-vllm")
+    results = system_table(bench, workload, "nano-vllm")
     if o.sweep_max_num_seqs:
-        sweep(bench, workload)
+        sweep(bench, workload, results)
 
 
-def sweep(bench, workload: workloads.Workload) -> None:
-    """Throughput of pagedlab as max_num_seqs grows (the batch the scheduler may build)."""
+def _batch_limit(result, options) -> int:
+    """The most sequences a system may run at once: its batch size or max_num_seqs."""
+    return result.extra.get("batch_size") or options.max_num_seqs
+
+
+def sweep(bench, workload: workloads.Workload, measured: list = ()) -> None:
+    """Throughput of pagedlab as max_num_seqs grows (the batch the scheduler may build), drawn with the
+    comparators already measured on the same workload at their own batch limits."""
     table = Table(f"{workload.name}: pagedlab throughput vs max_num_seqs", COLUMNS["sweep"])
     for m in bench.options.sweep_max_num_seqs:
         r = bench.run(f"pagedlab max_num_seqs={m}", lambda bar, m=m: systems.run_pagedlab(
@@ -131,10 +141,15 @@ def sweep(bench, workload: workloads.Workload) -> None:
         table.add(max_num_seqs=m, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s, peak_seqs=r.peak_num_seqs,
                   kv_util=r.kv_utilization)  # fmt: skip
     bench.add_table("sweep", table)
-    xs, ys = [r["max_num_seqs"] for r in table.rows], [r["output_tok_s"] for r in table.rows]
+    series = {"pagedlab": ([r["max_num_seqs"] for r in table.rows], [r["output_tok_s"] for r in table.rows])}
+    for result in measured[1:]:  # [0] is pagedlab at the default max_num_seqs
+        label = result.system.split("(")[0]
+        xs, ys = series.setdefault(label, ([], []))
+        xs.append(_batch_limit(result, bench.options))
+        ys.append(result.output_tokens_per_s)
     bench.add_plot(f"{workload.name}_sweep_max_num_seqs.png", lambda path: report.plot_lines(
-        path, f"{workload.name}: throughput vs max_num_seqs", "max_num_seqs", "output tokens/s",
-        {"pagedlab": (xs, ys)}, logx=True))  # fmt: skip
+        path, f"{workload.name}: throughput vs max_num_seqs (batch size)", "max_num_seqs / batch size",
+        "output tokens/s", series, logx=True))  # fmt: skip
 
 
 # -- prefix caching -----------------------------------------------------------------------------------------
