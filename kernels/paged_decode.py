@@ -55,6 +55,31 @@ PARTITION_SIZE = 512  # keys per split-K partition (a multiple of BLOCK_N)
 
 
 @triton.jit
+def load_kv_tile(
+    key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The keys and values at positions tile_start .. tile_start + BLOCK_N of one sequence and KV head, read slot
+    by slot through its block table: returns (positions, valid, key, value), key and value [BLOCK_N, BLOCK_D].
+    Positions outside [first_pos, end_pos) and dims past HEAD_DIM are not read (their K/V load as 0).
+    Shared by the decode and prefill kernels (paged_prefill.py)."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    valid = (positions >= first_pos) & (positions < end_pos)
+    dims = tl.arange(0, BLOCK_D)
+    block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot_offsets = block_ids * stride_cache_block + (positions % BLOCK_SIZE) * stride_cache_slot
+    kv_offsets = kv_head * stride_cache_head + slot_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
+    kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+    key = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    value = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        key, value = key.to(tl.float32), value.to(tl.float32)
+    return positions, valid, key, value
+
+
+@triton.jit
 def _attend_keys(
     query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr,  # this sequence's table, this query head group
     first_pos, end_pos,  # attend to keys at positions [first_pos, end_pos)
@@ -78,17 +103,10 @@ def _attend_keys(
     l = tl.zeros([BLOCK_G], tl.float32)
     o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tile_start in range(first_pos - first_pos % BLOCK_N, end_pos, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        valid = (positions >= first_pos) & (positions < end_pos)
-        block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot_offsets = block_ids * stride_cache_block + (positions % BLOCK_SIZE) * stride_cache_slot
-        kv_offsets = kv_head * stride_cache_head + slot_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        key = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        value = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            key, value = key.to(tl.float32), value.to(tl.float32)
-
+        positions, valid, key, value = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
+            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32,
+        )  # fmt: skip
         scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale_log2e  # [BLOCK_G, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: each tile holds a valid key

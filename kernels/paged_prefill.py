@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import check_cache, check_devices, check_int, dot_in_fp32
+from .paged_decode import check_cache, check_devices, check_int, dot_in_fp32, load_kv_tile
 
 
 def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
@@ -83,17 +83,10 @@ def paged_prefill_kernel(
     l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     o = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     for tile_start in range(first_pos - first_pos % BLOCK_N, end_pos, BLOCK_N):
-        key_pos = tile_start + tl.arange(0, BLOCK_N)
-        valid = (key_pos >= first_pos) & (key_pos < end_pos)
-        block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot_offsets = block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
-        kv_offsets = kv_head * stride_cache_head + slot_offsets[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        key = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        value = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            key, value = key.to(tl.float32), value.to(tl.float32)
-
+        key_pos, valid, key, value = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
+            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32,
+        )  # fmt: skip
         visible = valid[None, :] & (key_pos[None, :] <= query_pos[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_WINDOW:
             visible = visible & (query_pos[:, None] - key_pos[None, :] < sliding_window)
