@@ -135,9 +135,12 @@ def sweep(bench, workload: workloads.Workload, measured: list = ()) -> None:
     comparators already measured on the same workload at their own batch limits."""
     table = Table(f"{workload.name}: pagedlab throughput vs max_num_seqs", COLUMNS["sweep"])
     for m in bench.options.sweep_max_num_seqs:
-        r = bench.run(f"pagedlab max_num_seqs={m}", lambda bar, m=m: systems.run_pagedlab(
-            bench.model, bench.tokenizer, workload, repeats=bench.options.repeats, bar=bar,
-            **_engine_options(bench, workload, max_num_seqs=m)))  # fmt: skip
+        if measured and m == bench.options.max_num_seqs:
+            r = measured[0]  # pagedlab at this max_num_seqs just ran: no need to run it again
+        else:
+            r = bench.run(f"pagedlab max_num_seqs={m}", lambda bar, m=m: systems.run_pagedlab(
+                bench.model, bench.tokenizer, workload, repeats=bench.options.repeats, bar=bar,
+                **_engine_options(bench, workload, max_num_seqs=m)))  # fmt: skip
         table.add(max_num_seqs=m, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s, peak_seqs=r.peak_num_seqs,
                   kv_util=r.kv_utilization)  # fmt: skip
     bench.add_table("sweep", table)
