@@ -25,8 +25,9 @@ class EngineConfig:
         (`pagedlab.worker.cuda_graph`); elsewhere everything runs eagerly anyway.
     preemption_mode: what a preempted request does with its KV blocks (see `pagedlab.core.preemption`):
         "recompute" (free them, re-prefill later), "swap" (copy them to a CPU pool of `swap_space` GiB but at
-        most as many blocks as the device pool, or exactly `num_cpu_blocks` blocks, and back), or "auto" (per victim, the cheaper of the two by a cost model
-        measured at start-up on this device). A swap falls back to recompute when the CPU pool is full.
+        most as many blocks as the device pool, or exactly `num_cpu_blocks` blocks, and back), or "auto" (per
+        victim, the cheaper of the two by a cost model measured at start-up on this device). A swap falls back
+        to recompute when the CPU pool is full.
     enable_partial_preemption: take from a victim only the last blocks the request needs; it keeps the rest
         and recomputes its lost tail later (off by default, as in vLLM, which has no such mode).
     force_preemption_rate: for tests, preempt the newest running request in this share of steps (vLLM's

@@ -596,7 +596,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         copy_speed = 2 * 64 / (0.75 * block_size * 1e-3)
         cost_model = PreemptionCostModel(64, block_size, copy_bytes_per_s=copy_speed, prefill_tokens_per_s=1e3)
         self.scheduler = Scheduler(config, self.kv, self.swap, cost_model)
-        self.cpu_slot_content: dict[int, tuple[int, ...]] = {}  # shadow of the CPU pool        assert config.max_model_len <= num_blocks * block_size
+        self.cpu_slot_content: dict[int, tuple[int, ...]] = {}  # shadow of the CPU pool
+        assert config.max_model_len <= num_blocks * block_size
         self.max_prompt_len = config.max_model_len - 1
         if not config.enable_chunked_prefill:  # the engine rejects longer prompts without chunked prefill
             self.max_prompt_len = min(self.max_prompt_len, config.max_num_batched_tokens)

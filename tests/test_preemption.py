@@ -202,7 +202,8 @@ def test_partial_preemption_keeps_tokens(model, case, mode, prefix_caching, chun
     assert run_engine(engine, prompts, MAX_TOKENS, "staggered") == expected
     stats = engine.stats()
     assert stats.num_preemptions_partial > 0
-    assert stats.num_preemptions == stats.num_preemptions_recompute + stats.num_preemptions_swap + stats.num_preemptions_partial
+    by_kind = stats.num_preemptions_recompute + stats.num_preemptions_swap + stats.num_preemptions_partial
+    assert stats.num_preemptions == by_kind
     partial = [(rid, kept) for record in engine.trace for rid, kept in record.truncated]
     assert len(partial) == stats.num_preemptions_partial and all(kept % 4 == 0 and kept > 0 for _, kept in partial)
     assert_no_leaks(engine)
@@ -216,12 +217,14 @@ def test_partial_preemption_with_samples_and_beams(model):
     prompts = [{"prompt_token_ids": p} for p in random_prompts([13, 22])]
     params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=16)
     roomy = LLM(model, block_size=4, num_kv_blocks=256)
-    tight = LLM(model, block_size=4, num_kv_blocks=16, preemption_mode="recompute", enable_partial_preemption=True)
+    partial = dict(preemption_mode="recompute", enable_partial_preemption=True)
+    tight = LLM(model, block_size=4, num_kv_blocks=16, **partial)
     tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
-    assert tokens(tight.generate(prompts, params, use_tqdm=False)) == tokens(roomy.generate(prompts, params, use_tqdm=False))
+    expected = tokens(roomy.generate(prompts, params, use_tqdm=False))
+    assert tokens(tight.generate(prompts, params, use_tqdm=False)) == expected
     beam = BeamSearchParams(beam_width=3, max_tokens=10)
     beams = lambda outs: [[s.tokens for s in o.sequences] for o in outs]  # noqa: E731
-    tight_beams = LLM(model, block_size=4, num_kv_blocks=14, preemption_mode="recompute", enable_partial_preemption=True)
+    tight_beams = LLM(model, block_size=4, num_kv_blocks=14, **partial)
     assert beams(tight_beams.beam_search(prompts, beam)) == beams(roomy.beam_search(prompts, beam))
     assert tight.stats().num_preemptions_partial + tight_beams.stats().num_preemptions_partial > 0
     assert_no_leaks(tight.llm_engine)

@@ -70,7 +70,9 @@ def contiguous_concurrency(
     running_per_step, saturated, steps, peak = [], [], 0, 0
     while waiting:
         batch = []
-        while waiting and len(batch) < max_batch_size and allocator.allocate(str(waiting[0][0]), max_model_len) is not None:
+        while waiting and len(batch) < max_batch_size:
+            if allocator.allocate(str(waiting[0][0]), max_model_len) is None:
+                break
             batch.append(waiting.popleft())
         peak = max(peak, len(batch))
         outputs = [output_len for _, (_, output_len) in batch]

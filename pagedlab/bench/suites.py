@@ -342,12 +342,12 @@ def capacity(bench) -> None:
             bar.update(1)
     table.notes.append("bookkeeping only (no model): the real scheduler and block manager (block size "
                        f"{o.block_size}) against the contiguous allocator in static batches; means over the steps "
-                       "while requests still waited (a static batch keeps its reservations until its longest request ends, so "
-                       "its live sequences thin out); target: paged >= 3x contiguous, peak and mean")  # fmt: skip
+                       "while requests still waited (a static batch keeps its reservations until its longest "
+                       "request ends, so its live sequences thin out); target: paged >= 3x contiguous, peak and mean")
     bench.add_table("capacity", table)
     rows = table.rows
     bench.add_plot("capacity.png", lambda path: report.plot_lines(
-        path, "capacity: sequences running at once (mean while requests wait)", "KV budget (token slots)",
+        path, "capacity: sequences at once, mean while requests wait", "KV budget (token slots)",
         "sequences", {"paged": ([r["kv_slots"] for r in rows], [r["paged_mean"] for r in rows]),
                       "contiguous": ([r["kv_slots"] for r in rows], [r["contiguous_mean"] for r in rows])},
         logx=True))  # fmt: skip

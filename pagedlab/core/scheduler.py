@@ -119,7 +119,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.num_preemptions = 0  # sequences preempted, by either mode
+        self.num_preemptions = 0  # preemptions: whole (by either mode) and partial
         self.num_preemptions_by_mode = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self.num_preemptions_partial = 0  # of which partial: only the victim's tail blocks were taken
         self.num_recomputed_tokens = 0  # computed tokens whose KV a recompute preemption dropped
@@ -295,7 +295,8 @@ class Scheduler:
         stalled = False  # with partial preemption, the newest request waits (keeping its blocks) when it cannot grow
 
         # 0. For tests (vLLM's trick): preempt the newest running request at random steps (partially: one block).
-        if self.running and self.config.force_preemption_rate and self._rng.random() < self.config.force_preemption_rate:
+        forced = self.config.force_preemption_rate
+        if self.running and forced and self._rng.random() < forced:
             victim = self.running[-1]
             if partial and self._preempt_tail(victim, 1):
                 preempted.append(victim.request_id)

@@ -148,8 +148,9 @@ class DecodeGraphs:
         graph = self.graph_class(pool)
         self.logits[size] = graph.capture(lambda: self._run(size))
         self.graphs[size] = graph
-        graph.replay()
-        if not torch.allclose(self.logits[size], expected, rtol=1e-3, atol=1e-3, equal_nan=True):
+        graph.replay()  # the same kernels on the same inputs: equal up to a rounding step of the model's dtype
+        tolerance = 1e-4 if self.kv_cache.dtype == torch.float32 else 2e-2
+        if not torch.allclose(self.logits[size], expected, rtol=tolerance, atol=tolerance, equal_nan=True):
             raise RuntimeError(f"the size-{size} graph's logits differ from the eager forward's")
 
     def _reset_padding(self, start: int) -> None:
