@@ -166,12 +166,16 @@ class DecodeGraphs:
             return None
         return next((s for s in self.sizes if s >= num_decodes and s in self.graphs), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Replay the step whose flat batch is all decodes; returns logits [size, vocab] (rows past the step's
-        are padding). The caller has checked `size_for`."""
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Replay the step if it is all decodes and a recorded size holds it: logits [size, vocab] (rows past the
+        step's are padding); None otherwise (the caller runs the step eagerly)."""
         num = metadata.num_decodes
-        size = self.size_for(num)
-        assert size is not None and num == input_ids.shape[0] and not metadata.prefills
+        size = None if metadata.prefills else self.size_for(num)
+        if size is None:
+            return None
+        assert num == input_ids.shape[0]
         self.input_ids[:num].copy_(input_ids)
         self.positions[:num].copy_(positions)
         self.slot_mapping[:num].copy_(metadata.slot_mapping)

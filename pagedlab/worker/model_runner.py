@@ -140,10 +140,10 @@ class ModelRunner:
         next-token log-probabilities instead, for the engine's beam step to choose from."""
         input_ids, positions, sample_rows, metadata = self._prepare(items)
         rows = [request for item in items if item.scheduled.samples for request in (item.request, *item.forks)]
-        graphs = self.decode_graphs
         with torch.inference_mode():
-            if graphs is not None and not metadata.prefills and graphs.size_for(metadata.num_decodes):
-                logits = graphs.run(input_ids, positions, metadata)[sample_rows]  # a recorded decode step
+            logits = self.decode_graphs.run(input_ids, positions, metadata) if self.decode_graphs else None
+            if logits is not None:
+                logits = logits[sample_rows]  # a recorded decode step
             else:
                 context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend)
                 keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
