@@ -11,7 +11,7 @@ far less (`tl.dot` shapes, layouts, registers, shared memory): this is what a GP
 Needs kernels in compiled mode, i.e. TRITON_INTERPRET unset when triton is imported; `aot_grid` runs the
 compilations in fresh processes for that.
 
-# Explained in chapters/03_paged_attention.ipynb
+# The kernels are explained in chapters/03_paged_attention.ipynb; compiling them ahead of time is in no chapter.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def compile_for_target(kernel: JITFunction, args: dict, constants: dict, arch: i
         kernel=kernel.__name__, arch=arch, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
         num_stages=compiled.metadata.num_stages, registers=registers, local_bytes=local_bytes,
         ptx_local=re.search(r"\.local\b", ptx) is not None,
-        tensor_cores="wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "", seconds=round(seconds, 2),
+        tensor_cores="wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "",
+        seconds=round(seconds, 2),
     )  # fmt: skip
 
 
