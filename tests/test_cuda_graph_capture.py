@@ -94,6 +94,7 @@ def test_decode_graphs_record_no_host_sync_and_no_stale_value(traced_launches):
 
     problems: list[str] = []
     replays: list[int] = []
+    launched: set[str] = set()
 
     class TracingGraph(EagerGraph):
         def traced(self) -> tuple[Trace, torch.Tensor]:
@@ -109,6 +110,7 @@ def test_decode_graphs_record_no_host_sync_and_no_stale_value(traced_launches):
         def capture(self, forward):
             self.forward = forward
             self.recorded, self.output = self.traced()
+            launched.update(op for op, *_ in self.recorded.events if op.startswith("launch "))
             problems.extend(f"{op}: {HOST_OPS[op]}" for op, *_ in self.recorded.events if op in HOST_OPS)
             return self.output
 
@@ -131,4 +133,5 @@ def test_decode_graphs_record_no_host_sync_and_no_stale_value(traced_launches):
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (4, 12, 3, 7)]  # batches of 4, 3, 2, 1
     llm.generate(prompts, params, use_tqdm=False)
     assert not problems, "\n".join(problems)
+    assert launched == {"launch store_kv_kernel", "launch paged_decode_kernel"}, launched
     assert {4, 2, 1} <= set(replays), f"replayed sizes {sorted(set(replays))}"
