@@ -248,9 +248,10 @@ def decode_constants(
     """The constexprs (and warps) the wrapper picks for `paged_decode_kernel` (with split_k, the split kernel):
     the query head group padded to a power of two (BLOCK_G), the head dim padded to a power of two of at least
     16 (BLOCK_D: a GPU's `tl.dot` needs K >= 16), BLOCK_N keys per tile. Compiled for sm_80/89/90
-    (tests/test_kernels_compile.py, `pagedlab.kernels.aot_grid` calls this function), 4 warps spill registers
-    once a key row of the tile is 512 bytes (float32 head dim 128), and 64 float32 keys of 256 dims need
-    152 KB of shared memory, more than an L4's 99 KB: so 8 warps from 512 bytes, 32 keys above."""
+    (tests/test_kernels_compile.py, `pagedlab.kernels.aot_grid` calls this function) with 4 warps, float32
+    tiles whose key rows are 512 bytes (BLOCK_D 128) spilled registers in some variants, and 64 float32 keys
+    of 256 dims needed 152 KB of shared memory, more than an L4's 99 KB: so 8 warps from 512 bytes a row, and
+    32 keys above that."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     row_bytes = block_d * dtype.itemsize
     constants = dict(

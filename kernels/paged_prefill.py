@@ -34,9 +34,9 @@ from .paged_decode import check_cache, check_devices, check_int, dot_in_fp32, lo
 def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
     """(BLOCK_M query rows, BLOCK_N keys, warps) per tile: smaller for float32, whose exact ("ieee") dot runs
     on FMA units, not tensor cores, and with 64 x 64 tiles needs 115 KB of shared memory (and 10 s to compile).
-    Compiled for sm_80/89/90 (tests/test_kernels_compile.py), 4 warps spill registers once a head row of the
-    tile is 256 bytes (16-bit head dim 80, float32 64), and float32 at head dim 256 fits an L4's 99 KB of
-    shared memory only with 16 keys per tile."""
+    Compiled for sm_80/89/90 (tests/test_kernels_compile.py) with 4 warps, tiles whose head rows are 256
+    bytes or more (16-bit BLOCK_D 128, float32 64) spilled registers in some variants, and float32 at head dim
+    256 fits an L4's 99 KB of shared memory only with 16 keys per tile."""
     block_m = 64 if dtype.itemsize == 2 else 32
     row_bytes = block_d * dtype.itemsize
     block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
