@@ -175,7 +175,9 @@ class AsyncLLM:
         self._wake.set()
         return stream
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """The deltas of one request; leaving the loop early aborts it."""
         stream = await self.add_request(request_id, prompt, params)
         try:
