@@ -80,9 +80,10 @@ def _serve_parser(commands) -> None:
 
 def _serve(args) -> int:
     import os
+    import signal
 
     from pagedlab.engine import LLMEngine
-    from pagedlab.entrypoints.openai.api_server import build_app, run_server
+    from pagedlab.entrypoints.openai.api_server import bind_socket, build_app, run_server
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -93,10 +94,19 @@ def _serve(args) -> int:
                                        **_engine_kwargs(args))  # fmt: skip
     name = args.served_model_name or model or "smollm2-135m-instruct"
     app = build_app(engine, name, api_key)
-    print(f"pagedlab serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
+    sock = bind_socket(args.host, args.port)  # port 0: a free one, printed below
+    host, port = sock.getsockname()[:2]
+    print(f"pagedlab serve: {name} on http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "
           f"{engine.stats().num_kv_blocks} KV blocks){'; API key required' if api_key else ''}",
           file=sys.stderr, flush=True)  # fmt: skip
-    run_server(app, args.host, args.port, args.log_level)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
+    # this one notes it, so the command exits with 0 after a clean shutdown instead of dying by the signal.
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    run_server(app, sock=sock, log_level=args.log_level)
+    how = f" on {signal.Signals(received[0]).name}" if received else ""
+    print(f"pagedlab serve: shut down cleanly{how}", file=sys.stderr, flush=True)
     return 0
 
 

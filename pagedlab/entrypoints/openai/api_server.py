@@ -179,9 +179,10 @@ def _uvicorn_server(app: FastAPI, log_level: str):
     return uvicorn.Server(config)
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve in the foreground until SIGINT or SIGTERM, then shut down cleanly."""
-    sock = bind_socket(host, port)
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               sock: socket.socket | None = None) -> None:  # fmt: skip
+    """Serve in the foreground (on `sock` if given) until SIGINT or SIGTERM, then shut down cleanly."""
+    sock = sock if sock is not None else bind_socket(host, port)
     _uvicorn_server(app, log_level).run(sockets=[sock])
 
 
