@@ -145,6 +145,11 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--block-size", type=int, default=16)
     bench.add_argument("--scale", type=float, default=1.0, help="nano-vllm: shrink lengths and request count")
     bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
+    bench.add_argument("--endpoint", default=None,
+                       help="serving: measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) over HTTP; "
+                            "default: in process and over HTTP against `pagedlab serve` started on a free port")
+    bench.add_argument("--serving-via", type=_names, default=("in-process", "http"),
+                       help="serving without --endpoint: in-process, http or both (default)")
     bench.add_argument("--sweep-max-num-seqs", type=_ints, default=(), help="chat/nano-vllm: e.g. 8,32,128,256")
     bench.add_argument("--overhead-sizes", type=_ints, default=(256, 1024), help="overhead: running sequences")
     bench.add_argument("--capacity-reservations", type=_ints, default=(4, 8, 16, 32),
@@ -166,7 +171,8 @@ def _bench(args) -> int:
         progress=not args.no_progress, compare=args.compare, num_requests=args.num_requests, repeats=args.repeats,
         hf_repeats=args.hf_repeats, batch_sizes=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, scale=args.scale,
-        request_rates=args.request_rate, sweep_max_num_seqs=args.sweep_max_num_seqs,
+        request_rates=args.request_rate, endpoint=args.endpoint, serving_via=args.serving_via,
+        sweep_max_num_seqs=args.sweep_max_num_seqs,
         overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1],
         capacity_reservations=args.capacity_reservations, seed=args.seed,
     )  # fmt: skip
