@@ -290,9 +290,9 @@ class AsyncLLM:
             if output.finished:
                 del self._requests[output.request_id]
                 queue = None if state.first_token_step_start is None else state.first_token_step_start - state.arrival
-                iteration.finished.append(FinishedRequest(
-                    output.outputs[0].finish_reason if output.outputs else None, len(state.stream.prompt_token_ids or ()),
-                    state.num_generation_tokens, end - state.arrival, queue))  # fmt: skip
+                reason = output.outputs[0].finish_reason if output.outputs else None
+                iteration.finished.append(FinishedRequest(reason, len(state.stream.prompt_token_ids or ()),
+                                                          state.num_generation_tokens, end - state.arrival, queue))
             state.stream.put(output)
         return iteration
 

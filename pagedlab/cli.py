@@ -71,7 +71,8 @@ def _serve_parser(commands) -> None:
                        help="model name, folder or Hub id (default: the embedded SmolLM2)")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or PAGEDLAB_API_KEY)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (or set PAGEDLAB_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.add_argument("-v", "--verbose", action="store_true", help="log the engine's set-up")

@@ -67,7 +67,7 @@ class PrometheusStatLogger:
                                        ("mode",))  # fmt: skip
         self.swapped_blocks = counter("swapped_blocks", "KV blocks swapped, by direction.", ("direction",))
         self.swapped_bytes = counter("swapped_bytes", "Bytes of KV swapped out and in.")
-        self.recomputed_tokens = counter("recomputed_tokens", "Computed tokens whose KV a recompute preemption dropped.")
+        self.recomputed_tokens = counter("recomputed_tokens", "Computed tokens dropped by recompute preemptions.")
         self.request_success = counter("request_success", "Finished requests, by finish reason of their first sample.",
                                        ("finished_reason",))  # fmt: skip
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
@@ -76,7 +76,7 @@ class PrometheusStatLogger:
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.request_queue_time = histogram(
             "request_queue_time_seconds",
-            "Arrival to the start of the step that gave the first token (exact when a prompt is prefilled in one step).",
+            "Arrival to the start of the step that gave the first token (exact for one-step prefills).",
             _LATENCY_BUCKETS,
         )
         self._last: dict[str, int] = {}

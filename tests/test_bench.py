@@ -104,7 +104,8 @@ def test_serving_against_an_endpoint_measures_it_over_http_only():
     from pagedlab.engine import LLMEngine
     from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
 
-    with ServerThread(build_app(LLMEngine(tiny_model(), None, systems.engine_config(max_num_seqs=8)), "tiny")) as server:
+    engine = LLMEngine(tiny_model(), None, systems.engine_config(max_num_seqs=8))
+    with ServerThread(build_app(engine, "tiny")) as server:
         report = _run("serving", endpoint=server.url)
     (row,) = report.tables["serving"].rows
     assert row["system"] == server.url and row["failed"] == 0 and row["output_tok_s"] > 0

@@ -27,6 +27,7 @@ from pagedlab.config import EngineConfig
 from pagedlab.engine import LLMEngine
 from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
 from pagedlab.metrics import parse_metrics
+from tests.conftest import tiny_model
 from tests.test_async_llm import FAIL_TOKEN, FakeEngine
 
 MODEL = "smollm2"
@@ -88,6 +89,21 @@ def test_chat_streamed_and_not_equals_llm_chat(client, reference):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_streamed_multibyte_text_equals_the_full_text(client, reference):
+    """Japanese: 8 characters of three UTF-8 bytes in 17 tokens, so every character is split across tokens.
+    The deltas come from the engine's incremental detokenizer and must join into exactly the full text."""
+    messages = [{"role": "user", "content": 'Translate "thank you very much" into Japanese.'}]
+    expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=17), use_tqdm=False)[0].outputs[0]
+    assert expected.text == "お経機ですがくは"  # SmolLM2-135M's Japanese is poor, but it is valid UTF-8
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=17)
+    assert full.choices[0].message.content == expected.text
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=17,
+                                                 stream=True))  # fmt: skip
+    deltas = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(deltas) == expected.text
+    assert all("\ufffd" not in delta for delta in deltas)  # no half character is ever sent
 
 
 def test_n_samples_with_a_seed_equal_llm_generate_and_repeat(client, reference):
@@ -169,10 +185,13 @@ def test_bad_completion_requests_are_openai_errors_that_change_nothing(server, c
     assert ok.status_code == 200
 
 
-def test_n_above_the_engines_limit_is_a_400(server):
-    response = httpx.post(f"{server.url}/v1/completions",
-                          json={"prompt": "hi", "n": ENGINE["max_num_seqs"] + 1, "max_tokens": 1})  # fmt: skip
-    assert response.status_code == 400 and "max_num_seqs" in response.json()["error"]["message"]
+def test_n_above_the_engines_limit_is_a_400():
+    engine = LLMEngine(tiny_model(), None, EngineConfig(max_num_seqs=4, preemption_mode="recompute"))
+    with ServerThread(build_app(engine, "tiny")) as server:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "n": 5, "max_tokens": 1})
+        assert response.status_code == 400 and "max_num_seqs" in response.json()["error"]["message"]
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "n": 4, "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
 
 def test_bad_chat_requests(client):
@@ -276,7 +295,8 @@ def test_metrics_count_tokens_and_latencies(client, server):
     for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
         key = f"pagedlab:{name}_seconds_count"
         assert after[key] - before[key] == 1
-    assert after["pagedlab:inter_token_latency_seconds_count"] - before["pagedlab:inter_token_latency_seconds_count"] == 3
+    itl = "pagedlab:inter_token_latency_seconds_count"
+    assert after[itl] - before[itl] == 3
     for name in ("num_requests_swapped", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "swapped_bytes_total", 'num_preemptions_total{mode="recompute",model_name="smollm2"}',
                  'swapped_blocks_total{direction="out",model_name="smollm2"}'):  # fmt: skip

@@ -6,8 +6,6 @@ results and plots to it. Table columns are fixed per workload (`COLUMNS`), whate
 
 from __future__ import annotations
 
-import random
-
 from pagedlab.bench import COMPARATORS, metrics, overhead, report, systems, workloads
 from pagedlab.bench import serving as serving_suite
 from pagedlab.bench.report import Table

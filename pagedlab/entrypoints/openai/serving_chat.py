@@ -81,7 +81,8 @@ class OpenAIServingChat(OpenAIServing):
         return self.chat_logprobs(token_ids, logprobs, request.top_logprobs or 0)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream) -> AsyncIterator[str]:
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": self.created(), "model": self.model_name}
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": self.created(),
+                "model": self.model_name}
         num_output = 0
         try:
             for j in range(request.n):
