@@ -207,9 +207,11 @@ class AsyncLLM:
         return await self._call(self.engine.stats)
 
     async def shutdown(self) -> None:
-        """Abort every request, stop the loop and the engine thread."""
-        for request_id in list(self._requests):
+        """Abort every request (its reader gets `EngineDeadError`), stop the loop and the engine thread."""
+        for request_id, state in list(self._requests.items()):
+            state.stream.put(EngineDeadError("the engine was shut down"))
             self.abort_nowait(request_id)
+        self.dead_error = self.dead_error or EngineDeadError("the engine was shut down")
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:

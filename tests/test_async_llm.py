@@ -199,6 +199,24 @@ def test_a_step_that_raises_fails_every_pending_request_and_every_new_one():
     assert all(isinstance(r, EngineDeadError) and "the model runner broke" in str(r) for r in results)
 
 
+def test_shutdown_aborts_what_runs_and_its_readers_hear_of_it():
+    engine = FakeEngine(step_seconds=0.01)
+
+    async def main():
+        async_llm = AsyncLLM(engine)
+        reader = asyncio.ensure_future(_collect(async_llm, [1], 1000, "long"))
+        while not async_llm.num_steps:
+            await asyncio.sleep(0.01)
+        await async_llm.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await reader
+        with pytest.raises(EngineDeadError):
+            await async_llm.add_request("after", {"prompt_token_ids": [1]}, _params(1))
+
+    asyncio.run(main())
+    assert engine.aborted == ["long"] and not engine.requests
+
+
 def test_prometheus_logger_takes_gauges_and_grows_counters_by_the_engines_growth():
     engine = FakeEngine()
 
