@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pagedlab.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedlab.async_llm")
@@ -202,10 +202,6 @@ class AsyncLLM:
         self.abort_nowait(request_id)
         await self._call(lambda: None)  # returns once the abort has run
 
-    async def get_stats(self) -> EngineStats:
-        """The engine's statistics, read on the engine thread between steps."""
-        return await self._call(self.engine.stats)
-
     async def shutdown(self) -> None:
         """Abort every request (its reader gets `EngineDeadError`), stop the loop and the engine thread."""
         for request_id, state in list(self._requests.items()):
@@ -303,12 +299,4 @@ class AsyncLLM:
             stat_logger.record(self.stats, iteration)
 
 
-def completion_error(output: RequestOutput) -> str | None:
-    """The error message of a request that failed in the engine (finish_reason "error"), else None."""
-    for completion in output.outputs:
-        if completion.finish_reason == "error":
-            return completion.error or "the engine failed this request"
-    return None
-
-
-__all__ = ["AsyncLLM", "CompletionOutput", "EngineDeadError", "IterationStats", "RequestStream", "merge_deltas"]
+__all__ = ["AsyncLLM", "EngineDeadError", "FinishedRequest", "IterationStats", "RequestStream", "merge_deltas"]
