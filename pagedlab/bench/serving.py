@@ -10,6 +10,7 @@ caller sees: TTFT from arrival, TPOT per output token after the first, ITL betwe
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 from pagedlab.bench import http_client, metrics, report, systems
@@ -38,19 +39,24 @@ def run(bench, workload, engine_options: dict) -> None:
     if unknown:
         raise ValueError(f"unknown serving_via {sorted(unknown)}; choose from {', '.join(VIA)}")
     table = Table("serving: Poisson arrivals, in-process (LLMEngine.add_request / step) and over HTTP", COLUMNS)
-    if "in-process" in via:
-        for rate in o.request_rates:
+    with contextlib.ExitStack() as stack:
+        url, label = None, None
+        if "http" in via and o.endpoint:
+            url, label = o.endpoint.rstrip("/"), o.endpoint
+        elif "http" in via:
+            url = stack.enter_context(http_client.local_server(
+                bench.model, bench.tokenizer, engine_options, bench.model_source, not bench.model_by_name,
+                bench.threads))  # fmt: skip
+            label = "pagedlab serve (HTTP)"
+        for rate in o.request_rates:  # in process and over HTTP in turns, so that both see the same machine
             arrivals = poisson_arrivals(len(workload.requests), rate, o.seed)
-            r = bench.run(f"in-process {rate} req/s", lambda bar, a=arrivals: systems.run_pagedlab(
-                bench.model, bench.tokenizer, workload, arrivals=a, repeats=o.repeats, bar=bar, **engine_options))
-            _add_row(table, "pagedlab (in-process)", rate, r, 0)
-    if "http" in via:
-        if o.endpoint:
-            _http_rows(bench, table, workload, o.endpoint.rstrip("/"), o.endpoint)
-        else:
-            with http_client.local_server(bench.model, bench.tokenizer, engine_options, bench.model_source,
-                                          not bench.model_by_name, bench.threads) as url:  # fmt: skip
-                _http_rows(bench, table, workload, url, "pagedlab serve (HTTP)")
+            if "in-process" in via:
+                r = bench.run(f"in-process {rate} req/s", lambda bar, a=arrivals: systems.run_pagedlab(
+                    bench.model, bench.tokenizer, workload, arrivals=a, repeats=o.repeats, bar=bar, **engine_options))
+                _add_row(table, "pagedlab (in-process)", rate, r, 0)
+            if url is not None:
+                r = bench.run(f"http {rate} req/s", lambda bar, a=arrivals: _run_http(url, workload, a, bar))
+                _add_row(table, label, rate, r, r.extra["failed"])
     table.notes.append("ttft: arrival to first token; tpot: per output token after the first; itl: between token "
                        "deliveries (over HTTP: between streamed chunks)")  # fmt: skip
     bench.add_table("serving", table)
@@ -64,14 +70,6 @@ def run(bench, workload, engine_options: dict) -> None:
                                                   [row[f"{key}_p50_s"] for row in rows])
         bench.add_plot("serving_latency.png", lambda path: report.plot_lines(
             path, "serving: median latency vs request rate", "requests/s", "seconds", series))
-
-
-def _http_rows(bench, table: Table, workload, url: str, label: str) -> None:
-    o = bench.options
-    for rate in o.request_rates:
-        arrivals = poisson_arrivals(len(workload.requests), rate, o.seed)
-        r = bench.run(f"http {rate} req/s", lambda bar, a=arrivals: _run_http(url, workload, a, bar))
-        _add_row(table, label, rate, r, r.extra["failed"])
 
 
 def _run_http(url: str, workload, arrivals, bar) -> systems.RunResult:
