@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pagedlab.bench import COMPARATORS, WORKLOADS, run_benchmark
-from pagedlab.bench import metrics, suites, workloads
+from pagedlab.bench import metrics, suites, systems, workloads
 from pagedlab.bench.report import Table
 from tests.conftest import tiny_model
 
@@ -89,11 +89,26 @@ def test_pressure_preempts_and_keeps_outputs():
     assert all(row["outputs_identical"] for row in squeezed)
 
 
-def test_serving_reports_latencies():
-    report = _run("serving")
+def test_serving_in_process_and_over_http_against_its_own_server():
+    report = _run("serving", request_rates=(100.0, 1000.0))
     _check_tables(report, ["serving"])
-    row = report.tables["serving"].rows[0]
-    assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+    rows = report.tables["serving"].rows
+    assert [row["system"] for row in rows] == ["pagedlab (in-process)", "pagedlab serve (HTTP)"] * 2
+    for row in rows:
+        assert row["failed"] == 0 and 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
+    assert len({r.num_output_tokens for r in report.results}) == 1  # every request got all its tokens
+    assert "serving_latency.png" in report.plots
+
+
+def test_serving_against_an_endpoint_measures_it_over_http_only():
+    from pagedlab.engine import LLMEngine
+    from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
+
+    engine = LLMEngine(tiny_model(), None, systems.engine_config(max_num_seqs=8))
+    with ServerThread(build_app(engine, "tiny")) as server:
+        report = _run("serving", endpoint=server.url)
+    (row,) = report.tables["serving"].rows
+    assert row["system"] == server.url and row["failed"] == 0 and row["output_tok_s"] > 0
 
 
 def test_overhead():

@@ -51,6 +51,8 @@ class BenchOptions:
     sharing_n: int = 8
     beam_width: int = 4
     request_rates: tuple[float, ...] = (1.0,)  # serving
+    serving_via: tuple[str, ...] = ("in-process", "http")  # serving: straight into the engine, and/or over HTTP
+    endpoint: str | None = None  # serving: an OpenAI-compatible server to measure (HTTP only), else our own
     sweep_max_num_seqs: tuple[int, ...] = ()  # chat / nano-vllm
     overhead_sizes: tuple[int, ...] = (256, 1024)
     overhead_real_sizes: tuple[int, ...] = (256,)  # where a real step is timed for the share
@@ -188,9 +190,12 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"unknown comparator(s) {sorted(unknown)}; choose from {', '.join(COMPARATORS)}")
     device = resolve_device(device)
+    by_name = model is None or isinstance(model, str)  # then a server process can load it too
+    model_source = model if by_name else None
     model, tokenizer = load_model(model, tokenizer, resolve_dtype(dtype, device), device)
     report = BenchmarkReport(workload, "", machine_info(model), options)
     bench = Bench(model, tokenizer, options, report, progress)
+    bench.model_source, bench.model_by_name, bench.threads = model_source, by_name, torch.get_num_threads()
     with torch.inference_mode():  # one warm-up forward: first-call costs are no system's
         model(torch.zeros((1, 8), dtype=torch.long, device=device))
     try:

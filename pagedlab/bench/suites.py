@@ -6,9 +6,8 @@ results and plots to it. Table columns are fixed per workload (`COLUMNS`), whate
 
 from __future__ import annotations
 
-import random
-
 from pagedlab.bench import COMPARATORS, metrics, overhead, report, systems, workloads
+from pagedlab.bench import serving as serving_suite
 from pagedlab.bench.report import Table
 
 SYSTEM_COLUMNS = (
@@ -24,8 +23,7 @@ COLUMNS = {
                 "peak_blocks_unshared", "saving"),
     "pressure": ("preemption_mode", "kv_blocks", "time_s", "output_tok_s", "preemptions", "by_recompute", "by_swap",
                  "by_partial", "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "outputs_identical"),
-    "serving": ("request_rate", "requests", "time_s", "output_tok_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
-                "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "itl_mean_s", "itl_p50_s", "itl_p99_s"),
+    "serving": serving_suite.COLUMNS,
     "overhead": ("num_seqs", "scheduler_ms_per_step", "real_step_ms", "share_of_step", "meets_5pct_target"),
     "capacity": ("kv_slots", "contiguous_peak", "contiguous_mean", "paged_peak", "paged_mean", "ratio_peak",
                  "ratio_mean", "paged_preemptions", "meets_3x_target"),
@@ -267,31 +265,10 @@ def pressure(bench) -> None:
 
 
 def serving(bench) -> None:
-    o = bench.options
+    """In process and over HTTP (`pagedlab.bench.serving`)."""
     workload = _chat_workload(bench)
     bench.describe(workload)
-    table = Table("serving: Poisson arrivals through LLMEngine.add_request / step", COLUMNS["serving"])
-    for rate in o.request_rates:
-        rng = random.Random(o.seed)
-        arrivals, t = [], 0.0
-        for _ in workload.requests:
-            arrivals.append(t)
-            t += rng.expovariate(rate)
-        r = bench.run(f"serving {rate} req/s", lambda bar, a=arrivals: systems.run_pagedlab(
-            bench.model, bench.tokenizer, workload, arrivals=a, repeats=o.repeats, bar=bar,
-            **_engine_options(bench, workload)))  # fmt: skip
-        ttft, tpot, itl = (metrics.Summary.of(r.extra[k]) for k in ("ttft_s", "tpot_s", "itl_s"))
-        table.add(request_rate=rate, requests=r.num_requests, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
-                  ttft_mean_s=ttft.mean, ttft_p50_s=ttft.p50, ttft_p99_s=ttft.p99, tpot_mean_s=tpot.mean,
-                  tpot_p50_s=tpot.p50, tpot_p99_s=tpot.p99, itl_mean_s=itl.mean, itl_p50_s=itl.p50,
-                  itl_p99_s=itl.p99)  # fmt: skip
-    table.notes.append("ttft: arrival to first token; tpot: per output token after the first; itl: between tokens")
-    bench.add_table("serving", table)
-    if len(table.rows) > 1:
-        xs = [row["request_rate"] for row in table.rows]
-        series = {k: (xs, [row[f"{k}_p50_s"] for row in table.rows]) for k in ("ttft", "tpot")}
-        bench.add_plot("serving_latency.png", lambda path: report.plot_lines(
-            path, "serving: median latency vs request rate", "requests/s", "seconds", series))
+    serving_suite.run(bench, workload, _engine_options(bench, workload))
 
 
 # -- scheduler overhead ---------------------------------------------------------------------------------------
