@@ -23,7 +23,7 @@ from pagedlab.bench.report import Table
 
 __all__ = ["BenchOptions", "BenchmarkReport", "run_benchmark", "WORKLOADS", "COMPARATORS"]
 
-WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity")
+WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity", "decode")
 COMPARATORS = ("hf-static", "hf-cb", "pagedlab-contiguous")
 
 
@@ -35,7 +35,7 @@ class BenchOptions:
     compare: tuple[str, ...] = ()
     repeats: int = 1  # pagedlab systems
     hf_repeats: int = 1  # the slow Hugging Face comparators
-    batch_sizes: tuple[int, ...] = (8, 32, 64)  # hf-static: the best of these is reported
+    batch_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)  # hf-static: the best of those that fit is reported
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -55,6 +55,10 @@ class BenchOptions:
     overhead_sizes: tuple[int, ...] = (256, 1024)
     overhead_real_sizes: tuple[int, ...] = (256,)  # where a real step is timed for the share
     capacity_reservations: tuple[int, ...] = (4, 8, 16, 32)  # capacity: KV budgets, in max_model_len reservations
+    decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # decode: one attention-vs-memory grid per dtype
+    decode_batch_sizes: tuple[int, ...] = (16, 64, 256)
+    decode_contexts: tuple[int, ...] = (128, 512, 2048)
+    decode_max_kv_gib: float | None = None  # decode: skip steps whose KV cache is larger (default: RAM / 4)
 
 
 @dataclass

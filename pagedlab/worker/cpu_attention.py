@@ -146,6 +146,8 @@ def paged_decode_cpu(
         raise RuntimeError("the C++ CPU attention kernel is not available (see the warning from its build)")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
+    block_tables = block_tables.to(torch.long).contiguous()  # no copy when they already are
+    context_lens = context_lens.to(torch.long).contiguous()
     module.paged_decode(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
                         int(sliding_window or 0))  # fmt: skip
     return out
