@@ -76,6 +76,8 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--decode-contexts", type=_ints, default=(128, 512, 2048), help="decode: context lengths")
     bench.add_argument("--decode-max-kv-gib", type=float, default=None,
                        help="decode: skip steps whose KV cache is larger (default: a quarter of the RAM)")
+    bench.add_argument("--decode-clock", choices=("wall", "cpu"), default="wall",
+                       help="decode: wall time, or process CPU time (with --threads 1 on a shared machine)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("-v", "--verbose", action="store_true", help="log the engines' set-up")
@@ -97,7 +99,7 @@ def _bench(args) -> int:
         overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1],
         capacity_reservations=args.capacity_reservations, decode_dtypes=args.decode_dtypes,
         decode_batch_sizes=args.decode_batch_sizes, decode_contexts=args.decode_contexts,
-        decode_max_kv_gib=args.decode_max_kv_gib, seed=args.seed,
+        decode_max_kv_gib=args.decode_max_kv_gib, decode_clock=args.decode_clock, seed=args.seed,
     )  # fmt: skip
     print(report.text())
     print(f"[results written to {args.out}/]", file=sys.stderr)

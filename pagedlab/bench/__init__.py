@@ -59,6 +59,7 @@ class BenchOptions:
     decode_batch_sizes: tuple[int, ...] = (16, 64, 256)
     decode_contexts: tuple[int, ...] = (128, 512, 2048)
     decode_max_kv_gib: float | None = None  # decode: skip steps whose KV cache is larger (default: RAM / 4)
+    decode_clock: str = "wall"  # decode: "wall", or "cpu" (process CPU time: one thread on a shared machine)
 
 
 @dataclass

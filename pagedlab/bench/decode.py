@@ -11,6 +11,8 @@ interleaved, `repeats` times each:
 attention = step - no attention; it must read every cached K and V once (`kv_read_bytes`), so its speed is
 kv_read_bytes / attention, against the machine's read bandwidth (a 1 GiB float32 tensor summed, measured
 between the same rounds): `fraction_of_read`. The decode kernel's goal is >= 0.5 at batch 64, context 512.
+`clock="cpu"` times everything by the process's CPU time instead of the wall clock: with one thread on a
+machine that other jobs share, that is the time the work took while it ran, which the wall clock is not.
 
 # Explained in chapters/03_paged_attention.ipynb
 """
@@ -75,11 +77,14 @@ def physical_memory() -> int:
         return 8 << 30
 
 
-def read_bandwidth(tensor: torch.Tensor) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def read_bandwidth(tensor: torch.Tensor, clock=time.perf_counter) -> float:
     """Bytes per second read by one sum over `tensor` (a large float32 tensor, pages already touched)."""
-    start = time.perf_counter()
+    start = clock()
     tensor.sum()
-    return tensor.numel() * tensor.element_size() / (time.perf_counter() - start)
+    return tensor.numel() * tensor.element_size() / (clock() - start)
 
 
 @dataclass
@@ -122,15 +127,15 @@ class DecodeStep:
         kv_bytes = batch * context * spec.bytes_per_token
         return cls(model, batch, context, input_ids, positions, metadata, kv_cache, kv_bytes)
 
-    def run(self, attention: str = ATTENTION_NAME) -> float:
+    def run(self, attention: str = ATTENTION_NAME, clock=time.perf_counter) -> float:
         """Seconds for one forward over the step (logits for every row), with the given attention."""
         self.metadata._masks.clear()  # per-step caches: a real step builds them afresh
         context = PagedAttentionContext(self.metadata, self.kv_cache, "torch")
-        start = time.perf_counter()
+        start = clock()
         with attention_implementation(self.model, attention):
             self.model(input_ids=self.input_ids[None], position_ids=self.positions[None], use_cache=False,
                        pagedlab_context=context)  # fmt: skip
-        return time.perf_counter() - start
+        return clock() - start
 
 
 @dataclass
@@ -163,9 +168,10 @@ def model_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def measure(model, dtypes, batches, contexts, block_size: int, repeats: int, max_kv_bytes: int,
-            torch_path: bool = True, bar=None) -> tuple[list[DecodeResult], list[str]]:  # fmt: skip
+            torch_path: bool = True, clock: str = "wall", bar=None) -> tuple[list[DecodeResult], list[str]]:  # fmt: skip
     """Every (dtype, batch, context) whose cache fits in `max_kv_bytes`; returns the results and the skipped."""
     results, skipped = [], []
+    tick = CLOCKS[clock]
     probe = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, touched once here
     use_kernel = cpu_attention.kernel() is not None and next(model.parameters()).device.type == "cpu"
     variants = ["step", "no attention"] + (["torch path"] if torch_path and use_kernel else [])
@@ -180,14 +186,14 @@ def measure(model, dtypes, batches, contexts, block_size: int, repeats: int, max
                         continue
                     step = DecodeStep.build(m, batch, context, block_size)
                     result = DecodeResult(str(dtype).removeprefix("torch."), batch, context, step.kv_read_bytes)
-                    runs = {"step": lambda: step.run(), "no attention": lambda: step.run(NO_ATTENTION)}
-                    runs["torch path"] = lambda: _without_kernel(step)
+                    runs = {"step": lambda: step.run(clock=tick), "no attention": lambda: step.run(NO_ATTENTION, tick),
+                            "torch path": lambda: _without_kernel(step, tick)}
                     for variant in variants:  # warm-up: first calls allocate and build
                         runs[variant]()
                     for _ in range(repeats):
                         for variant in variants:
                             result.times.setdefault(variant, []).append(runs[variant]())
-                        result.read_bandwidth.append(read_bandwidth(probe))
+                        result.read_bandwidth.append(read_bandwidth(probe, tick))
                     results.append(result)
                     del step
                     if bar is not None:
@@ -195,6 +201,6 @@ def measure(model, dtypes, batches, contexts, block_size: int, repeats: int, max
     return results, skipped
 
 
-def _without_kernel(step: DecodeStep) -> float:
+def _without_kernel(step: DecodeStep, clock) -> float:
     with cpu_kernel_off():
-        return step.run()
+        return step.run(clock=clock)

@@ -422,6 +422,8 @@ def decode(bench) -> None:
     from pagedlab.bench import decode as decode_bench
     from pagedlab.worker import cpu_attention
     o = bench.options
+    if o.decode_clock not in decode_bench.CLOCKS:
+        raise ValueError(f"decode_clock must be one of {sorted(decode_bench.CLOCKS)}, got {o.decode_clock!r}")
     dtypes = [getattr(torch, name) for name in o.decode_dtypes]
     max_kv = int(o.decode_max_kv_gib * 2**30) if o.decode_max_kv_gib else decode_bench.physical_memory() // 4
     bench.describe(None, f"one decode step at batch {', '.join(map(str, o.decode_batch_sizes))} x context "
@@ -432,7 +434,8 @@ def decode(bench) -> None:
     if bar is not None:
         bar.reset(total=len(dtypes) * len(o.decode_batch_sizes) * len(o.decode_contexts))
     results, skipped = decode_bench.measure(bench.model, dtypes, o.decode_batch_sizes, o.decode_contexts,
-                                            o.block_size, max(1, o.repeats), max_kv, bar=bar)  # fmt: skip
+                                            o.block_size, max(1, o.repeats), max_kv, clock=o.decode_clock,
+                                            bar=bar)  # fmt: skip
     table = Table("decode: one engine decode step vs the same forward without attention", COLUMNS["decode"])
     for r in results:
         attention = r.attention_s()
@@ -451,7 +454,8 @@ def decode(bench) -> None:
     table.notes += [
         f"medians of {max(1, o.repeats)} interleaved rounds; attention = step - no_attention; kv_read: K and V of "
         "every context token in every layer; read_gb_s: a 1 GiB float32 tensor summed between the same rounds; "
-        f"{torch.get_num_threads()} threads; block size {o.block_size}, blocks scattered over the pool",
+        f"{torch.get_num_threads()} threads; {o.decode_clock} clock; block size {o.block_size}, blocks scattered "
+        "over the pool",
         f"decode attention: {kernel}; torch_path: the same step with PAGEDLAB_CPU_KERNEL=0 (gather + SDPA)",
         "goal: fraction_of_read >= 0.5 at batch 64, context 512",
     ]
