@@ -18,6 +18,7 @@ TINY = dict(
     num_requests=3, prompt_len=(5, 30), output_mean=6, output_len=(2, 12), batch_sizes=(2,), max_num_seqs=8,
     max_num_batched_tokens=256, prefix_len=48, prefix_max_tokens=3, sharing_prompt_len=20, sharing_max_tokens=4,
     sharing_n=3, beam_width=2, request_rates=(100.0,), overhead_sizes=(8, 16), overhead_real_sizes=(8,), scale=0.03,
+    decode_probe_mib=16,
 )  # fmt: skip
 
 

@@ -7,8 +7,8 @@
 `run_benchmark` loads the model once (or takes one: a tiny model without a tokenizer gets token-id prompts),
 runs the workload's systems, and returns a `BenchmarkReport` of tables, raw results and plots; with `out_dir`
 it also writes `<workload>.json`, the tables as `<workload>.txt` and the plots as PNG. Modules: `workloads`
-(what is asked), `systems` (who answers), `metrics`, `roofline`, `overhead` (what is measured), `suites`
-(one function per workload), `report` (text, JSON, plots).
+(what is asked), `systems` (who answers), `metrics`, `roofline`, `overhead`, `memory`, `decode` (what is
+measured), `suites` (one function per workload), `report` (text, JSON, plots).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class BenchOptions:
     decode_batch_sizes: tuple[int, ...] = (16, 64, 256)
     decode_contexts: tuple[int, ...] = (128, 512, 2048)
     decode_max_kv_gib: float | None = None  # decode: skip steps whose KV cache is larger (default: RAM / 4)
+    decode_probe_mib: int = 1024  # decode: the tensor summed to measure the read bandwidth
     decode_clock: str = "wall"  # decode: "wall", or "cpu" (process CPU time: one thread on a shared machine)
 
 

@@ -168,11 +168,12 @@ def model_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def measure(model, dtypes, batches, contexts, block_size: int, repeats: int, max_kv_bytes: int,
-            torch_path: bool = True, clock: str = "wall", bar=None) -> tuple[list[DecodeResult], list[str]]:  # fmt: skip
+            torch_path: bool = True, clock: str = "wall", probe_bytes: int = 1 << 30,
+            bar=None) -> tuple[list[DecodeResult], list[str]]:  # fmt: skip
     """Every (dtype, batch, context) whose cache fits in `max_kv_bytes`; returns the results and the skipped."""
     results, skipped = [], []
     tick = CLOCKS[clock]
-    probe = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, touched once here
+    probe = torch.ones(probe_bytes // 4, dtype=torch.float32)  # 1 GiB by default, touched once here
     use_kernel = cpu_attention.kernel() is not None and next(model.parameters()).device.type == "cpu"
     variants = ["step", "no attention"] + (["torch path"] if torch_path and use_kernel else [])
     with torch.inference_mode():

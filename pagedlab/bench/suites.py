@@ -435,7 +435,7 @@ def decode(bench) -> None:
         bar.reset(total=len(dtypes) * len(o.decode_batch_sizes) * len(o.decode_contexts))
     results, skipped = decode_bench.measure(bench.model, dtypes, o.decode_batch_sizes, o.decode_contexts,
                                             o.block_size, max(1, o.repeats), max_kv, clock=o.decode_clock,
-                                            bar=bar)  # fmt: skip
+                                            probe_bytes=o.decode_probe_mib << 20, bar=bar)  # fmt: skip
     table = Table("decode: one engine decode step vs the same forward without attention", COLUMNS["decode"])
     for r in results:
         attention = r.attention_s()
@@ -453,7 +453,8 @@ def decode(bench) -> None:
         if build.module is not None else f"C++ kernel unavailable ({build.error}): the torch path ran")
     table.notes += [
         f"medians of {max(1, o.repeats)} interleaved rounds; attention = step - no_attention; kv_read: K and V of "
-        "every context token in every layer; read_gb_s: a 1 GiB float32 tensor summed between the same rounds; "
+        f"every context token in every layer; read_gb_s: a {o.decode_probe_mib} MiB float32 tensor summed between "
+        "the same rounds; "
         f"{torch.get_num_threads()} threads; {o.decode_clock} clock; block size {o.block_size}, blocks scattered "
         "over the pool",
         f"decode attention: {kernel}; torch_path: the same step with PAGEDLAB_CPU_KERNEL=0 (gather + SDPA)",
