@@ -40,7 +40,10 @@ NUM_LAYERS = 30  # SmolLM2-135M: 30 layers, 9 query heads over 3 KV heads of 64
 def make_step(batch, q_heads, kv_heads, head_dim, block_size, max_len, dtype, seed=0, fixed_len=None):
     """A random paged cache with `batch` decodes of random lengths in [20, max_len], blocks shuffled."""
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(20, max_len + 1, (batch,), generator=g) if fixed_len is None else torch.full((batch,), fixed_len)
+    if fixed_len is None:
+        lens = torch.randint(20, max_len + 1, (batch,), generator=g)
+    else:
+        lens = torch.full((batch,), fixed_len)
     blocks_per_seq = (lens + block_size - 1) // block_size
     num_blocks = int(blocks_per_seq.sum()) + 1
     physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 is the padding block

@@ -110,7 +110,8 @@ class DecodeStep:
         generator = torch.Generator().manual_seed(seed)
         # Every block gets the same random contents (filling gigabytes with randn would take longer than the
         # benchmark); what is timed reads each block from its own place in memory all the same.
-        pattern = torch.randn((spec.num_layers, 2, 1, block_size, spec.num_kv_heads, spec.head_dim), generator=generator)
+        shape = (spec.num_layers, 2, 1, block_size, spec.num_kv_heads, spec.head_dim)
+        pattern = torch.randn(shape, generator=generator)
         kv_cache[:, :, 1:] = pattern.to(kv_cache.dtype)
         tables = (torch.randperm(num_blocks - 1, generator=generator) + 1).view(batch, blocks_per_seq)
         positions = torch.full((batch,), context - 1, dtype=torch.long)

@@ -313,7 +313,8 @@ void attend_one(scalar_t* out, const scalar_t* query, int64_t q_head_stride, int
 
 template <typename scalar_t>
 using AttendFn = void (*)(scalar_t*, const scalar_t*, int64_t, int64_t, const scalar_t*, const scalar_t*,
-                          const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
+                          const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          float);
 
 // A tile of up to 4 query heads per pass over the rows, so that tile x head_dim / 16 accumulators fit in
 // the registers (32 with AVX-512): head_dim 64 and 80 take tiles of 1-4, head_dim 128 tiles of 1-2.
