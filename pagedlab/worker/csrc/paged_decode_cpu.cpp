@@ -14,10 +14,12 @@
 // The scores stay whole between the passes (a few kilobytes per head): an exact softmax, no rescaling.
 // Arithmetic is float32 whatever the cache's dtype: bfloat16 and float16 rows are widened as they are read.
 //
-// Speed (head_dim a multiple of 16 up to 256, most models): 16-lane float vectors (GCC/clang vector
-// extensions: one AVX-512 register, two AVX2 ones, four NEON ones), head_dim fixed at compile time so a query
-// head and an accumulator stay in registers, and the 16 dot products of 16 consecutive keys reduced together
-// (`sum16`) rather than one horizontal sum each. Other head_dims take plain loops (`kChunks = 0`).
+// Speed (head_dim 64, 80 or 128): 16-lane float vectors (GCC/clang vector extensions: one AVX-512 register,
+// two AVX2 ones, four NEON ones); head_dim fixed at compile time, so a tile of up to 4 query heads and their
+// accumulators stay in registers while each row is loaded (and widened) once per tile; the dot products of 16
+// consecutive keys reduced together (`sum16`) rather than one horizontal sum each; and the next block's rows
+// prefetched while this one is computed. Other head_dims take plain loops (`kChunks = 0`).
+// Measured (batch 64, context 512, one thread): README, "Decode attention against the memory".
 // Explained in chapters/03_paged_attention.ipynb
 
 #include <torch/extension.h>
