@@ -103,7 +103,12 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
         events.append(f"seq {child} forked from {parent} (shares its {shared} blocks), sampled "
                       f"{_token(sampled[child], tokenizer) if child in sampled else 'nothing yet'}")  # fmt: skip
     for rid, reason in record.finished:
-        events.append(f"seq {rid} finished ({reason})")
+        if reason == "pruned":
+            events.append(f"seq {rid} pruned (no beam continues it)")
+        else:
+            events.append(f"seq {rid} finished ({reason})")
+    for group, root in record.restarted:
+        events.append(f"beam search {group} starts again from its prompt as seq {root} (its beams were recomputed)")
     if record.freed:
         events.append(f"freed blocks {list(record.freed)}")
     if record.evicted:
