@@ -115,3 +115,19 @@ def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tm
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("PAGEDLAB_CPU_KERNEL", "0")
     assert cpu_attention.kernel() is None
+
+
+def test_a_stale_build_lock_is_removed(tmp_path):
+    """A build killed half-way leaves its lock behind; torch's builder would wait for it forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_attention._clear_stale_lock(lock)
+    assert lock.exists()  # young: perhaps another process building now
+    old = time.time() - cpu_attention.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cpu_attention._clear_stale_lock(lock)
+    assert not lock.exists()
+    cpu_attention._clear_stale_lock(lock)  # and no lock at all is fine

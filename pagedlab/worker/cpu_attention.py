@@ -86,6 +86,7 @@ def load() -> KernelBuild:
     start = time.perf_counter()
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory / "lock")
         flags = compiler_flags()
         module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                     build_directory=str(directory), verbose=False)  # fmt: skip
@@ -100,6 +101,20 @@ def load() -> KernelBuild:
     seconds = time.perf_counter() - start
     logger.info("C++ CPU attention kernel %s in %.1f s (%s)", "compiled" if compiled else "loaded", seconds, directory)
     return KernelBuild(module, None, seconds, compiled)
+
+
+STALE_LOCK_S = 600  # a first build takes one or two minutes; a lock this old is from a build that was killed
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove the lock of a build that was interrupted (Ctrl-C, a killed process): torch's builder would wait
+    for it forever. A lock younger than STALE_LOCK_S may be another process building now, and is kept."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale build lock left by an interrupted build: %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _first_error(error: Exception) -> str:
