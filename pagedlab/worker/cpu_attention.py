@@ -6,7 +6,8 @@ the kernel (csrc/paged_decode_cpu.cpp) walks each sequence's block table and rea
 lie. It is compiled with the system's C++ compiler and OpenMP through `torch.utils.cpp_extension` the first
 time it is asked for (vLLM's CPU backend also builds C++ attention; pagedlab builds it lazily so that a
 `pip install` needs no compiler), and cached in ~/.cache/pagedlab/torch_extensions under a name that hashes
-the source, the flags, torch's version and the CPU, so later processes load it in well under a second.
+the source, the flags, torch's version and the CPU, so later processes load it in about a second (a first
+build took 38-98 s on a busy 2-core machine).
 Where it cannot be built (no compiler, no OpenMP) one warning says so and `kernel()` returns None: the
 caller then runs the torch path. PAGEDLAB_CPU_KERNEL=0 in the environment turns the kernel off.
 
