@@ -140,7 +140,8 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--repeats", type=int, default=1, help="runs per pagedlab system (median time)")
     bench.add_argument("--hf-repeats", type=int, default=1, help="runs per Hugging Face comparator")
-    bench.add_argument("--hf-batch-size", type=_ints, default=(8, 32, 64), help="hf-static batch sizes (best reported)")
+    bench.add_argument("--hf-batch-size", type=_ints, default=(8, 16, 32, 64, 128),
+                       help="hf-static batch sizes (the best of those whose KV fits in pagedlab's budget is reported)")
     bench.add_argument("--max-num-seqs", type=int, default=256)
     bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
     bench.add_argument("--block-size", type=int, default=16)
@@ -155,6 +156,13 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--overhead-sizes", type=_ints, default=(256, 1024), help="overhead: running sequences")
     bench.add_argument("--capacity-reservations", type=_ints, default=(4, 8, 16, 32),
                        help="capacity: KV budgets, as numbers of max_model_len reservations")
+    bench.add_argument("--decode-dtypes", type=_names, default=("float32", "bfloat16"), help="decode: dtypes")
+    bench.add_argument("--decode-batch-sizes", type=_ints, default=(16, 64, 256), help="decode: batch sizes")
+    bench.add_argument("--decode-contexts", type=_ints, default=(128, 512, 2048), help="decode: context lengths")
+    bench.add_argument("--decode-max-kv-gib", type=float, default=None,
+                       help="decode: skip steps whose KV cache is larger (default: a quarter of the RAM)")
+    bench.add_argument("--decode-clock", choices=("wall", "cpu"), default="wall",
+                       help="decode: wall time, or process CPU time (with --threads 1 on a shared machine)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("-v", "--verbose", action="store_true", help="log the engines' set-up")
@@ -175,7 +183,9 @@ def _bench(args) -> int:
         request_rates=args.request_rate, endpoint=args.endpoint, serving_via=args.serving_via,
         sweep_max_num_seqs=args.sweep_max_num_seqs,
         overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1],
-        capacity_reservations=args.capacity_reservations, seed=args.seed,
+        capacity_reservations=args.capacity_reservations, decode_dtypes=args.decode_dtypes,
+        decode_batch_sizes=args.decode_batch_sizes, decode_contexts=args.decode_contexts,
+        decode_max_kv_gib=args.decode_max_kv_gib, decode_clock=args.decode_clock, seed=args.seed,
     )  # fmt: skip
     print(report.text())
     print(f"[results written to {args.out}/]", file=sys.stderr)
