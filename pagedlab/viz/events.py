@@ -1,5 +1,5 @@
 """A step's events in words: what each sequence computed and where its KV went, forks, copies, preemptions,
-swaps, finishes, frees and evictions.
+swaps, finishes (a beam that beam search drops is "pruned"), frees and evictions.
 
     step 7: seq 2 wrote 1 token into block 12 (slot 3/4), sampled 'Paris'; seq 5 copy-on-write 3 -> 17; ...
 
@@ -103,7 +103,8 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
         events.append(f"seq {child} forked from {parent} (shares its {shared} blocks), sampled "
                       f"{_token(sampled[child], tokenizer) if child in sampled else 'nothing yet'}")  # fmt: skip
     for rid, reason in record.finished:
-        events.append(f"seq {rid} finished ({reason})")
+        pruned = reason == "pruned"  # a beam that beam search dropped
+        events.append(f"seq {rid} pruned (beam search dropped it)" if pruned else f"seq {rid} finished ({reason})")
     if record.freed:
         events.append(f"freed blocks {list(record.freed)}")
     if record.evicted:
