@@ -136,8 +136,9 @@ def legend_handles(marks: Iterable[str]) -> list:
         "free": Patch(facecolor=FREE_COLOR, label="free"),
         "new": Patch(facecolor="#999999", edgecolor="black", linewidth=1.5, label="new this step"),
         "empty": Patch(facecolor="white", edgecolor="#999999", label="pale: empty slots"),
-        "shared": Line2D([], [], marker="$xN$", color="black", linestyle="", markersize=11,
-                         label="shared by N block tables"),  # fmt: skip
+        "shared": Line2D(
+            [], [], marker="$xN$", color="black", linestyle="", markersize=11, label="shared by N block tables"
+        ),
         "cached": Line2D([], [], marker="v", color="black", linestyle="", markersize=4, label="cached (hashed)"),
     }
     marks = set(marks)

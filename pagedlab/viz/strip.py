@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from pagedlab.core.trace import Trace
-from pagedlab.viz._common import PNGFigure, PRUNED, STORED_DPI, step
+from pagedlab.viz._common import PRUNED, STORED_DPI, PNGFigure, step
 from pagedlab.viz.pool import COMPACT_ABOVE, draw_pool_at, grid_columns, legend_handles, marks_present, pool_rows
 from pagedlab.viz.tables import draw_tables_at, shown_columns, table_rows
 

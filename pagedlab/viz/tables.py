@@ -43,8 +43,8 @@ def shown_columns(longest: int, max_columns: int) -> list[int | None]:
 
 
 def draw_tables_at(ax: Axes, trace: Trace, index: int, *, left: float = 0.0, top: float = 0.0,
-                   max_columns: int = MAX_COLUMNS, max_rows: int = MAX_ROWS, fontsize: float = 7.0,
-                   detail: bool = True, header: str = "logical block", gid: str = "tables") -> tuple[int, int]:  # fmt: skip
+                   max_columns: int = MAX_COLUMNS, max_rows: int = MAX_ROWS, fontsize: float = 7.0, detail: bool = True,
+                   header: str = "logical block", gid: str = "tables") -> tuple[int, int]:  # fmt: skip
     """Draw step `index`'s block tables with logical block 0's cell at x = left, the header row (`header`,
     then the logical block numbers) just below y = top, one cell a row (the sequence ids hang left of
     `left`); return (columns, table rows) drawn, "+n more" included. detail: each row ends "9 tok, last 1/4"
