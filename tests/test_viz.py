@@ -335,7 +335,7 @@ def test_a_pruned_beam_reads_as_pruned_everywhere():
     trace.steps.append(pruned)
     text = describe_step(trace, 3)
     assert "seq b:1 pruned (beam search dropped it)" in text and "finished" not in text
-    assert texts(draw_queues(trace, 3).axes[0], "queue-running-label") == ["b", "b:1 pruned"]
+    assert texts(draw_queues(trace, 3).axes[0], "queue-running-label") == ["b", "b:1\npruned"]
     assert "b:1 pruned" in strip_texts(static_strip(trace, [3]), "strip-note")
     ax = draw_timeline(trace).axes[0]
     assert gid(ax, "timeline-pruned").get_offsets().tolist() == [[4, 3]]
