@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # keys per tile
+BLOCK_N = 64  # keys per tile (half that for float32 head dims over 128: see decode_constants)
 PARTITION_SIZE = 512  # keys per split-K partition (a multiple of BLOCK_N)
 
 
@@ -242,6 +242,32 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def decode_constants(
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool, split_k: bool = False
+) -> dict:  # fmt: skip
+    """The constexprs (and warps) the wrapper picks for `paged_decode_kernel` (with split_k, the split kernel):
+    the query head group padded to a power of two (BLOCK_G), the head dim padded to a power of two of at least
+    16 (BLOCK_D: a GPU's `tl.dot` needs K >= 16), BLOCK_N keys per tile. Compiled for sm_80/89/90
+    (tests/test_kernels_compile.py, `pagedlab.kernels.aot_grid` calls this function) with 4 warps, float32
+    tiles whose key rows are 512 bytes (BLOCK_D 128) spilled registers in some variants, and 64 float32 keys
+    of 256 dims needed 152 KB of shared memory, more than an L4's 99 KB: so 8 warps from 512 bytes a row, and
+    32 keys above that."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    row_bytes = block_d * dtype.itemsize
+    constants = dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d, BLOCK_N=BLOCK_N if row_bytes <= 512 else BLOCK_N // 2,
+        DOT_FP32=dot_in_fp32(dtype), num_warps=8 if row_bytes >= 512 else 4,
+    )  # fmt: skip
+    return {**constants, "PARTITION_SIZE": PARTITION_SIZE} if split_k else constants
+
+
+def reduce_constants(head_dim: int, has_window: bool) -> dict:
+    """The constexprs of split-K's reduce kernel."""
+    return dict(HEAD_DIM=head_dim, HAS_WINDOW=has_window, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                PARTITION_SIZE=PARTITION_SIZE)  # fmt: skip
+
+
 def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs programs one by one)."""
     if device.type != "cuda":
@@ -340,11 +366,8 @@ def paged_decode(
     max_context_len = block_tables.shape[1] * block_size
     if split_k is None:
         split_k = use_split_k(batch_size, max_context_len, num_kv_heads, _num_sms(query.device))
-    constants = dict(
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N,
-        DOT_FP32=dot_in_fp32(query.dtype),
-    )  # fmt: skip
+    has_window = sliding_window is not None
+    constants = decode_constants(query.dtype, group, head_dim, block_size, has_window)
     cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0))
     scale_log2e = scale * math.log2(math.e)
     window = sliding_window or 0  # ignored unless HAS_WINDOW
@@ -363,11 +386,10 @@ def paged_decode(
     paged_decode_split_kernel[(batch_size, num_kv_heads, num_partitions)](
         partial_max, partial_sum, partial_out, query, key_cache, value_cache, block_tables, context_lens,
         scale_log2e, window, query.stride(0), query.stride(1), *cache_strides,
-        PARTITION_SIZE=PARTITION_SIZE, **constants,
+        **decode_constants(query.dtype, group, head_dim, block_size, has_window, split_k=True),
     )  # fmt: skip
     paged_decode_reduce_kernel[(batch_size, num_q_heads)](
         out, partial_max, partial_sum, partial_out, context_lens, window, num_partitions,
-        out.stride(0), out.stride(1), HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
-        BLOCK_D=constants["BLOCK_D"], PARTITION_SIZE=PARTITION_SIZE,
+        out.stride(0), out.stride(1), **reduce_constants(head_dim, has_window),
     )  # fmt: skip
     return out

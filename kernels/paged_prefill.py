@@ -31,12 +31,28 @@ import triton.language as tl
 from .paged_decode import check_cache, check_devices, check_int, dot_in_fp32, load_kv_tile
 
 
-def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
-    """(BLOCK_M query rows, BLOCK_N keys) per tile: smaller for float32, whose exact ("ieee") dot runs on
-    FMA units, not tensor cores, and with 64 x 64 tiles needs 115 KB of shared memory (and 10 s to compile)."""
+def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, BLOCK_N keys, warps) per tile: smaller for float32, whose exact ("ieee") dot runs
+    on FMA units, not tensor cores, and with 64 x 64 tiles needs 115 KB of shared memory (and 10 s to compile).
+    Compiled for sm_80/89/90 (tests/test_kernels_compile.py) with 4 warps, tiles whose head rows are 256
+    bytes or more (16-bit BLOCK_D 128, float32 64) spilled registers in some variants, and float32 at head dim
+    256 fits an L4's 99 KB of shared memory only with 16 keys per tile."""
     block_m = 64 if dtype.itemsize == 2 else 32
-    block_n = 64 if block_d * dtype.itemsize <= 256 else 32
-    return block_m, block_n
+    row_bytes = block_d * dtype.itemsize
+    block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    return block_m, block_n, 8 if row_bytes >= 256 else 4
+
+
+def prefill_constants(dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool) -> dict:
+    """The constexprs (and warps) the wrapper picks for `paged_prefill_kernel`: BLOCK_G and BLOCK_D padded as in
+    decode, the tile from `tile_sizes`, BLOCK_Q = query tokens per tile (BLOCK_M // BLOCK_G, at least 1). Also what
+    `pagedlab.kernels.aot_grid` compiles for GPU targets."""
+    block_g = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps = tile_sizes(dtype, block_d)
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window, BLOCK_G=block_g,
+                BLOCK_Q=max(1, block_m // block_g), BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_in_fp32(dtype),
+                num_warps=num_warps)  # fmt: skip
 
 
 @triton.jit
@@ -144,20 +160,14 @@ def paged_prefill(
 
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    group = num_q_heads // num_kv_heads
-    block_g = triton.next_power_of_2(group)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n = tile_sizes(query.dtype, block_d)
-    block_q = max(1, block_m // block_g)
+    constants = prefill_constants(query.dtype, num_q_heads // num_kv_heads, head_dim, block_size,
+                                  sliding_window is not None)  # fmt: skip
     scale = head_dim**-0.5 if scale is None else scale
-    grid = (triton.cdiv(max_num_new, block_q), num_seqs, num_kv_heads)
+    grid = (triton.cdiv(max_num_new, constants["BLOCK_Q"]), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc.contiguous(), num_context.contiguous(),
         scale * math.log2(math.e), sliding_window or 0,  # the window is ignored unless HAS_WINDOW
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None,
-        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_FP32=dot_in_fp32(query.dtype),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), **constants,
     )  # fmt: skip
     return out

@@ -39,6 +39,13 @@ def store_kv_kernel(
         tl.store(value_cache_ptr + slot_row, value, mask=mask)
 
 
+def store_kv_constants(num_kv_heads: int, head_dim: int) -> dict:
+    """The kernel's constexprs for a cache of num_kv_heads x head_dim: the wrapper's only choice (also what
+    `pagedlab.kernels.aot_grid` compiles for GPU targets)."""
+    return dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))  # fmt: skip
+
+
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping
 ) -> None:
@@ -66,7 +73,5 @@ def store_kv(
         return
     store_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), **store_kv_constants(num_kv_heads, head_dim),
     )  # fmt: skip

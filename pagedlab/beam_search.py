@@ -1,9 +1,10 @@
 """Beam search as a group of sequences inside the engine, with Hugging Face's exact selection rules.
 
 Each live beam is a sequence with its own block table. After every beam has its next-token log-probabilities,
-one *beam step* picks the continuations; the engine then forks the chosen parents (their blocks are shared,
-copy-on-write on the partial last block) and frees the beams that no continuation chose, at that very step.
-Memory therefore follows the distinct tokens of the beams, not beam_width x length.
+one *beam step* picks the continuations (a `BeamDecision`); the scheduler then forks the chosen parents (their
+blocks are shared, copy-on-write on the partial last block) and frees the beams that no continuation chose, at
+that very step. Memory therefore follows the distinct tokens of the beams, not beam_width x length. A beam
+search preempted by recompute starts again from its prompt (`BeamSearch.restart`): it reaches the same beams.
 
 The selection follows `transformers`' `generate(num_beams=k, do_sample=False)`:
   - take the top 2k (k x (1 + number of EOS ids), at least 2k) continuations over all beams by cumulative
@@ -21,10 +22,14 @@ going until max_tokens); pagedlab follows Hugging Face so that the two can be co
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from pagedlab.core.sched_output import BeamDecision
+from pagedlab.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,10 @@ class BeamSearchParams:
 class BeamSearchSequence:
     tokens: list[int]  # prompt + generated, as vLLM's
     text: str
-    cum_logprob: float
-    score: float  # cum_logprob / len(generated) ** length_penalty
-    finish_reason: str  # "stop" (EOS) or "length"
+    cum_logprob: float | None  # None when the request failed
+    score: float | None  # cum_logprob / len(generated) ** length_penalty
+    finish_reason: str  # "stop" (EOS), "length", or "error"
+    error: str | None = None  # finish_reason "error": what went wrong
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,13 @@ class BeamGroup:
     ready: dict[str, torch.Tensor] = field(default_factory=dict)  # beam -> next-token log-probs
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
-    num_forks: int = 0  # names the forked sequences: request_id:b1, :b2, ...
+    plan: BeamPlan | None = None  # the last step's, until the scheduler says which sequence holds each beam
+
+    def restart(self, root_id: str) -> None:
+        """Start again from the prompt, with `root_id` as the one beam (a preemption dropped the others)."""
+        self.beams, self.generated = {root_id: 0.0}, {root_id: ()}
+        self.finished, self.ready, self.plan = [], {}, None
+        self.num_generated, self.improvable = 0, True
 
     @property
     def is_ready(self) -> bool:
@@ -150,3 +162,72 @@ class BeamGroup:
         self.finished.append(Hypothesis(token_ids, cum_logprob, score, "stop" if eos else "length"))
         self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties, as with HF's topk
         del self.finished[k:]
+
+
+class BeamSearch:
+    """The beam-search requests of an engine: their log-probabilities in, their beam steps out."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, BeamGroup] = {}
+        self._group_of: dict[str, str] = {}  # live beam sequence -> its group
+
+    def add(self, group: BeamGroup) -> None:
+        self.groups[group.request_id] = group
+        self._group_of.update((beam, group.request_id) for beam in group.beams)
+
+    def remove(self, group_id: str) -> BeamGroup | None:
+        group = self.groups.pop(group_id, None)
+        if group is not None:
+            for beam in group.beams:
+                self._group_of.pop(beam, None)
+        return group
+
+    def restart(self, group_id: str, root_id: str) -> None:
+        group = self.groups[group_id]
+        for beam in group.beams:
+            self._group_of.pop(beam, None)
+        group.restart(root_id)
+        self._group_of[root_id] = group_id
+
+    def step(self, beam_logprobs: dict[str, torch.Tensor]) -> list[BeamDecision]:
+        """Give each group its new log-probabilities; a beam step for every group that has them all."""
+        ready: dict[str, BeamGroup] = {}
+        for beam, logprobs in beam_logprobs.items():
+            group = self.groups.get(self._group_of.get(beam, ""))
+            if group is None:
+                continue  # its request failed or was aborted this step
+            group.ready[beam] = logprobs
+            if group.is_ready:
+                ready[group.request_id] = group
+        decisions = []
+        for group in ready.values():
+            group.plan = group.step()
+            continuations = tuple((c.parent, c.token_id) for c in group.plan.continuations)
+            decisions.append(BeamDecision(group.request_id, continuations, tuple(group.plan.pruned)))
+        return decisions
+
+    def commit(self, beam_ids: Iterable[tuple[str, tuple[str, ...]]]) -> list[BeamGroup]:
+        """The scheduler applied the decisions: `beam_ids` names the sequence of each continuation. Returns the
+        groups that are done (no beam left), which leave."""
+        done = []
+        for group_id, ids in beam_ids:
+            group = self.groups[group_id]
+            for beam in group.beams:
+                self._group_of.pop(beam, None)
+            continuations = group.plan.continuations
+            group.generated = {i: group.generated[c.parent] + (c.token_id,) for i, c in zip(ids, continuations)}
+            group.beams = {i: c.cum_logprob for i, c in zip(ids, continuations)}  # in rank order, best first
+            group.plan = None
+            self._group_of.update((beam, group_id) for beam in group.beams)
+            if not group.beams:
+                done.append(self.remove(group_id))
+        return done
+
+
+def beam_output(group: BeamGroup, decode: Callable[[tuple[int, ...]], str]) -> RequestOutput:
+    """The finished hypotheses, best first, as one `RequestOutput`."""
+    completions = [
+        CompletionOutput(i, decode(h.token_ids), list(h.token_ids), h.finish_reason, cumulative_logprob=h.cum_logprob)
+        for i, h in enumerate(group.finished)
+    ]
+    return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True)

@@ -33,7 +33,9 @@ class EngineConfig:
     force_preemption_rate: for tests, preempt the newest running request in this share of steps (vLLM's
         artificial-preemption trick); 0 in normal use.
     seed: seeds the sampler of requests that bring no seed of their own, and the forced preemptions.
-    record_trace: keep a `StepRecord` of every step (what the chapters draw).
+    record_trace: keep a `StepRecord` of each step (what the chapters draw).
+    max_trace_steps: keep only the most recent this many steps in the trace (None: all), so that a long-running
+        engine stays in bounded memory; `trace.num_dropped` counts the older ones.
     """
 
     block_size: int = 16
@@ -54,6 +56,7 @@ class EngineConfig:
     force_preemption_rate: float = 0.0
     seed: int = 0
     record_trace: bool = True
+    max_trace_steps: int | None = 1000
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -74,5 +77,7 @@ class EngineConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if not 0.0 <= self.force_preemption_rate <= 1.0:
             raise ValueError(f"force_preemption_rate must be in [0, 1], got {self.force_preemption_rate}")
+        if self.max_trace_steps is not None and self.max_trace_steps < 1:
+            raise ValueError(f"max_trace_steps must be >= 1 or None, got {self.max_trace_steps}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")

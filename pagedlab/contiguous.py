@@ -298,27 +298,28 @@ class ContiguousEngine:
 
     def _run_batch(self, batch: list, num_running: list[int]) -> list[dict[str, int]]:
         """Step the batch until all its requests finish; return each step's {request_id: tokens used}."""
-        from pagedlab.core.kv_cache_manager import BlockTable
-        from pagedlab.core.scheduler import ScheduledRequest
-        from pagedlab.worker.model_runner import WorkItem
+        from pagedlab.core.sched_output import ScheduledRequest
+        from pagedlab.core.scheduler_step import sampling_request
 
         usage_per_step = []
         running = list(batch)
         while running:
-            items = []
+            work = []
             for request, start in running:  # the first step prefills the whole prompt; later ones decode 1 token
                 n, computed = request.num_tokens, request.num_computed_tokens
-                scheduled = ScheduledRequest(request.request_id, computed, n - computed, samples=True)
-                items.append(WorkItem(request, scheduled, BlockTable(1, list(range(start, start + n)), n)))
-            sampled = self.model_runner.execute(items).sampled
+                work.append(ScheduledRequest(
+                    request.request_id, computed, n - computed, request.request_id, tuple(request.token_ids(computed, n)),
+                    tuple(range(start, start + n)), (sampling_request(request),),
+                ))  # fmt: skip
+            sampled = self.model_runner.execute(work).sampled
             num_running.append(len(running))
             for request, _ in running:
                 request.num_computed_tokens = request.num_tokens
-                request.append_token(sampled[request.request_id][0])
+                request.append_token(sampled[request.request_id])
                 status = request.check_stop(self.max_model_len)
                 if status is not None:
                     request.status = status
-                    self.model_runner.forget(request.request_id)
+                    self.model_runner.sampler.forget(request.request_id)
             running = [(r, start) for r, start in running if not r.is_finished]
             usage_per_step.append({r.request_id: r.num_tokens for r, _ in batch})
         return usage_per_step

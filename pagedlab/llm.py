@@ -75,14 +75,8 @@ class LLM:
         except Exception:
             engine.abort_request(request_ids)
             raise
-        results = []
-        for output in self._run(request_ids, use_tqdm):
-            results.append(BeamSearchOutput([
-                BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob,
-                                   c.cumulative_logprob / len(c.token_ids) ** params.length_penalty, c.finish_reason)
-                for c in output.outputs
-            ]))  # fmt: skip
-        return results
+        return [BeamSearchOutput([_beam_sequence(output, c, params) for c in output.outputs])
+                for output in self._run(request_ids, use_tqdm)]  # fmt: skip
 
     def chat(
         self,
@@ -136,6 +130,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[rid] for rid in request_ids]
+
+
+def _beam_sequence(output: RequestOutput, c, params: BeamSearchParams) -> BeamSearchSequence:
+    """One hypothesis of a finished beam search (or its error, when the request failed)."""
+    if c.finish_reason == "error":
+        return BeamSearchSequence(list(output.prompt_token_ids), "", None, None, "error", c.error)
+    score = c.cumulative_logprob / len(c.token_ids) ** params.length_penalty
+    return BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, score, c.finish_reason)
 
 
 def _as_list(prompts) -> list:

@@ -104,20 +104,29 @@ def embedded_model_dir() -> Path:
     return target
 
 
-def load_model(model, tokenizer, dtype: torch.dtype, device: torch.device):
-    """Return (model, tokenizer) ready for the engine: in eval mode, on `device`, in `dtype`."""
+def load_model(model, tokenizer, dtype="auto", device="auto"):
+    """Return (model, tokenizer) ready for the engine.
+
+    A `PreTrainedModel` object is the user's and is used as it is, where it is: `dtype` and `device` "auto" mean
+    its own, and asking for others is an error (convert it first with `model.to(...)`); its mode is left alone
+    too (the engine switches to eval mode only for the duration of its own calls). A name or a path is loaded in
+    `dtype` on `device` ("auto": float32 on CPU, bfloat16 on CUDA) and put in eval mode.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     if model is None:
         model = DEFAULT_MODEL
     if isinstance(model, PreTrainedModel):
         check_supported(model.config)
+        _check_own(model, dtype, device)
         source = str(getattr(model, "name_or_path", "") or "")
         if tokenizer is None and source and (Path(source) / "tokenizer_config.json").exists():
             tokenizer = AutoTokenizer.from_pretrained(source)
-        return model.to(device=device, dtype=dtype).eval(), tokenizer
+        return model, tokenizer
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a name, a path or a transformers PreTrainedModel, got {type(model).__name__}")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     path = embedded_model_dir() if str(model) == DEFAULT_MODEL else model
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
@@ -130,6 +139,26 @@ def load_model(model, tokenizer, dtype: torch.dtype, device: torch.device):
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return loaded, tokenizer
+
+
+def _check_own(model, dtype, device) -> None:
+    """A model object runs in its own dtype on its own device: refuse a request for others, naming both."""
+    parameter = next(model.parameters())
+    if device not in (None, "auto"):
+        wanted = resolve_device(device)
+        if wanted.type != parameter.device.type or (wanted.index is not None and wanted != parameter.device):
+            raise ValueError(
+                f"the model is on {parameter.device} but device={str(device)!r} was asked for: move it first "
+                f"(model.to({str(device)!r})) or pass device='auto'"
+            )
+    if dtype not in (None, "auto"):
+        wanted = resolve_dtype(dtype, parameter.device)
+        if wanted != parameter.dtype:
+            name = str(wanted).removeprefix("torch.")
+            raise ValueError(
+                f"the model is in {str(parameter.dtype).removeprefix('torch.')} but dtype={name!r} was asked for: "
+                f"convert it first (model.to(torch.{name})) or pass dtype='auto'"
+            )
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:

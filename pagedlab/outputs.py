@@ -55,6 +55,7 @@ class EngineStats:
     num_swapped_bytes: int = 0  # out and in
     num_swapped: int = 0  # requests in the swapped queue now
     num_cpu_blocks: int = 0
+    num_used_cpu_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -2,6 +2,9 @@
 
     python scripts/gpu_check.py [--output gpu_check.md] [--skip-tests] [--skip-bench]
 
+This script has not run on a GPU yet. The tables below show its layout only: every <...> and "..." is a
+figure that comes from its first run, which prints the tables and writes them to --output.
+
 1. Runs `python -m pytest tests/test_kernels.py -q` with PAGEDLAB_FULL_KERNEL_GRID=1 on the GPU (every kernel
    against its torch reference, before anything is timed). Stops with exit status 1 if a test fails.
 2. Times the decode kernel on a Llama-3-8B-shaped layer (32 query heads over 8 KV heads, head_dim 128,
@@ -10,14 +13,15 @@
    `torch.nn.functional.scaled_dot_product_attention` on the same context laid out contiguously
    ([batch, kv_heads, context, head_dim], enable_gqa=True). Each call is captured in a CUDA graph and
    replayed by `triton.testing.do_bench`, which flushes the L2 cache before every replay: the times are the
-   GPU's, without Python's launch overhead, reading K/V from HBM. Prints and writes this table:
+   GPU's, without Python's launch overhead, reading K/V from HBM. Prints and writes this table, one row per
+   batch and context (12 rows):
 
-    # gpu_check: NVIDIA H200, 132 SMs, torch 2.x, triton 3.x
+    # gpu_check: <GPU name>, <SMs> SMs, torch <version>, triton <version>
     # decode: 32 query heads / 8 KV heads, head_dim 128, bfloat16, block_size 16
-    # device-to-device copy: 4150 GB/s (bytes read + bytes written, 1 GiB copy)
+    # device-to-device copy: <GB/s> GB/s (bytes read + bytes written, 1 GiB copy)
     | batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel |
     |------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:|
-    |     1 |     512 | v1      |       9.1 |  231 |   0.06  |   9.1 |       12.0 |    15.3 |          1.68 |
+    |     1 |     512 | <path>  |       ... |  ... |     ... |   ... |        ... |     ... |           ... |
     ...
 
    batch, context: the decode batch and every sequence's context length; path: what `use_split_k` picked
@@ -25,23 +29,26 @@
    context token, query, output, block tables) per second; "of copy": that over the measured copy bandwidth
    (the roofline: decode reads each cached byte once, so 1.0 is the ceiling); v1 us and split-K us: both
    versions forced, to check the rule; SDPA us: torch's fused attention over the contiguous K/V;
-   SDPA / kernel > 1 means the paged kernel is faster. Small rows are launch-bound: expect low "of copy".
+   SDPA / kernel > 1 means the paged kernel is faster. Small rows may be launch-bound, far below 1.0 "of copy".
 
 3. Runs the embedded SmolLM2 (bfloat16) through the engine on 64 random-token prompts of 20-400 tokens with 128
    greedy output tokens each (EOS ignored), once with decode steps replayed from CUDA graphs and once with
    `enforce_eager=True`, checks that both give the same tokens (exit status 1 otherwise), then times Hugging
    Face `generate` on the same prompts in one left-padded static batch:
 
-    # engine: SmolLM2-135M-Instruct, bfloat16, 64 random-token prompts ...; graphed tokens == eager tokens: True
+    # engine: SmolLM2-135M-Instruct, bfloat16, 64 random-token prompts ...; graphed tokens == eager tokens: <bool>
     | system | time s | output tok/s |
     |:-------|-------:|-------------:|
     | pagedlab (CUDA graphs) | ... | ... |
     | pagedlab (enforce_eager) | ... | ... |
     | HF generate (one static batch) | ... | ... |
 
-The tables also go to --output (default gpu_check.md in the working directory). The whole script takes
-about 3-4 minutes on an H100/H200 on a first run, most of it Triton compiling the grid's kernel variants (cached
-in ~/.triton/cache afterwards). Without CUDA it prints why and exits with status 2.
+The tables also go to --output (default gpu_check.md in the working directory), and it prints how long it
+took: how long is not known before that first run. A first run spends part of it compiling the kernel
+variants of the grid (cached in ~/.triton/cache afterwards). Compiling alone was measured without a GPU:
+`tests/test_kernels_compile.py` compiles the kernels for sm_80, sm_89 and sm_90, and the README's kernel
+table (from `scripts/kernel_table.py`) gives their shared memory, registers and warps per target; the
+kernels' speed on a GPU is measured by nothing yet. Without CUDA it prints why and exits with status 2.
 """
 
 from __future__ import annotations

@@ -121,3 +121,30 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int, mode: str = "a
         step_index += 1
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks, "blocks leaked"
     return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for the tiny models: each token id is a few bytes of UTF-8, some of them only part of
+    a character (as in byte-level BPE), so that text, stop strings and streaming can be tested on a tiny model.
+
+    Ids 0-95 are the printable ASCII characters; 96-111 are halves and thirds of multi-byte characters ("é", "日",
+    "🙂"); 112-127 are whole multi-byte characters. Decoding joins the bytes and replaces an incomplete character
+    with U+FFFD, as Hugging Face tokenizers do."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __init__(self, vocab_size: int = 128) -> None:
+        partial = [b"\xc3", b"\xa9", b"\xe6", b"\x97", b"\xa5", b"\xf0\x9f", b"\x99\x82", b"\xe6\x97"]
+        whole = [c.encode() for c in "éü日本語한국어🙂ñ中文ü"]
+        self.pieces = [bytes([32 + i]) for i in range(96)] + partial * 2 + whole[:16]
+        self.pieces += [b"?"] * (vocab_size - len(self.pieces))
+        self.num_decoded_ids = 0  # how much decoding work was asked of it
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        token_ids = list(token_ids)
+        self.num_decoded_ids += len(token_ids)
+        return b"".join(self.pieces[t] for t in token_ids).decode("utf-8", errors="replace")
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 32 for c in text]  # printable ASCII only

@@ -176,7 +176,7 @@ def test_load_from_a_local_folder(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(dtype):
-    llm = LLM(tiny_model(), dtype=dtype, block_size=4, num_kv_blocks=64)
+    llm = LLM(tiny_model().to(getattr(torch, dtype)), block_size=4, num_kv_blocks=64)  # the model as it is
     assert llm.llm_engine.model_runner.kv_cache.dtype == getattr(torch, dtype)
     out = llm.generate(random_prompts([5, 9]), SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert [len(t) for t in tokens(out)] == [5, 5]

@@ -24,7 +24,6 @@ from pagedlab.core.block_pool import BlockPool, NotEnoughBlocksError
 from pagedlab.core.kv_cache_manager import BlockTable, KVCacheManager, cdiv
 from pagedlab.core.request import Request, RequestStatus
 from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode
-from pagedlab.core.scheduler import Scheduler, SchedulerConfig
 from pagedlab.core.swap_space import SwapSpace
 from pagedlab.sampling_params import SamplingParams
 
@@ -75,13 +74,15 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         old_blocks = list(self.kv.block_tables[request_id].block_ids) if request_id in self.kv.block_tables else []
         needed = cdiv(num_tokens, self.block_size) - len(old_blocks)
 
-        new_blocks = self.kv.allocate_slots(request_id, num_tokens)
+        allocation = self.kv.allocate_slots(request_id, num_tokens)
 
-        if new_blocks is None:
+        if allocation is None:
             self.num_failed += 1
             assert needed > len(self.model_free), "allocate_slots failed although enough blocks were free"
             assert self._snapshot() == before, "a failed allocate_slots changed something"
             return
+        assert allocation.copy is None and allocation.evicted == (), "no sharing and no cache: no copy, no eviction"
+        new_blocks = list(allocation.new_block_ids)
         assert needed <= len(self.model_free)
         expected_new = self.model_free[: max(needed, 0)]
         assert new_blocks == expected_new, "new blocks must come from the head of the free queue, in order"
@@ -120,7 +121,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             seen |= set(table.block_ids)
             assert all(kv.pool.ref_count[b] == 1 for b in table.block_ids)
         assert kv.pool.free_block_ids() == self.model_free, "free queue order differs from the LRU model"
-        assert kv.num_free_blocks + kv.pool.num_used_blocks == self.num_blocks
+        assert kv.num_free_blocks == self.num_blocks - len(seen), "free blocks and held blocks do not add up"
         assert kv.pool.num_used_blocks == len(seen)
 
     def teardown(self) -> None:
@@ -231,8 +232,8 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             assert pool.block_hash[block_id] is None, f"{request_id} writes block {block_id}, a prefix-cache block"
             self.content[block_id] = self._content_of(request_id, index)
 
-    def _check_evictions(self, allocated: list[int], hash_before: list, ref_before: list[int]) -> None:
-        evicted = self.kv.pool.take_evicted()
+    def _check_evictions(self, allocation, hash_before: list, ref_before: list[int]) -> None:
+        evicted, allocated = allocation.evicted, allocation.new_block_ids
         assert evicted == tuple(b for b in allocated if hash_before[b] is not None), (
             f"evicted {evicted}: the cached blocks among those handed out ({allocated}) are the ones evicted"
         )
@@ -313,21 +314,21 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             event("allocate: not enough blocks")
             assert need > len(free_before), f"allocate_slots failed needing {need} blocks with {len(free_before)} free"
             assert self._snapshot() == before, "a failed allocate_slots changed something"
-            assert kv.take_copies() == () and pool.take_evicted() == ()
             return
         assert need <= len(free_before), f"allocate_slots succeeded needing {need} blocks with {len(free_before)} free"
         allocated = free_before[:need]
-        assert result == allocated, f"new blocks {result}, expected the free queue's head {allocated}"
-        copies = kv.take_copies()
+        assert list(result.new_block_ids) == allocated, f"new blocks {result}, expected the free queue's head {allocated}"
         if cow_index is not None:
             event("allocate: copy-on-write")
             source, copy = held[cow_index], allocated[-1]
-            assert copies == ((request_id, source, copy),), f"copies {copies}, expected {source} -> {copy}"
+            assert result.copy == (source, copy), f"copy {result.copy}, expected {source} -> {copy}"
+            assert not pool.is_free(source), "the source of a pending copy is held until the copy is made"
             self.content[copy] = self.content[source]  # the engine copies the block's KV before the write
+            kv.release_copy_sources([result.copy])
             held[cow_index] = copy
             allocated = allocated[:-1]
         else:
-            assert copies == (), f"unexpected copies {copies}"
+            assert result.copy is None, f"unexpected copy {result.copy}"
         self._check_evictions(result, hash_before, ref_before)
         self.salt[request_id], self.tokens[request_id] = salt, tokens
         self.tables[request_id] = held + allocated
@@ -415,7 +416,6 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             event("start_from_prefix_cache: not enough blocks")
             assert need > len(free_before), f"allocate_slots failed needing {need} blocks with {len(free_before)} free"
             assert self._snapshot() == before, "a failed allocate_slots changed something"
-            assert kv.take_copies() == () and pool.take_evicted() == ()
             return
         assert need <= len(free_before)
         if free_hits:
@@ -425,8 +425,8 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         self.num_hit_tokens += len(hits) * bs
         assert (kv.num_query_tokens, kv.num_hit_tokens) == (self.num_query_tokens, self.num_hit_tokens)
         allocated = [b for b in free_before if b not in hits][:num_new]
-        assert result == allocated, f"new blocks {result}, expected the free queue's head {allocated} (hits {hits})"
-        assert kv.take_copies() == ()
+        assert list(result.new_block_ids) == allocated, f"new blocks {result}, expected the free queue's head {allocated} (hits {hits})"
+        assert result.copy is None
         self._check_evictions(result, hash_before, ref_before)
         assert kv.block_hashes.get(request_id, []) == self._chain(salt, tokens)[: len(hits)]
         self.salt[request_id], self.tokens[request_id] = salt, tokens
@@ -522,7 +522,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         queries = [(self.salt[rid], self.tokens[rid]) for rid in sorted(self.tokens)] + self.history[-4:]
         for salt, tokens in queries:
             self._check_hits(salt, tokens, kv.get_computed_blocks(tokens, salt))
-        assert kv.take_copies() == () and pool.take_evicted() == ()
+        assert not kv.pending_copy_sources, "every copy was made and its source let go"
 
     def teardown(self) -> None:
         if not hasattr(self, "kv"):
@@ -539,426 +539,7 @@ TestPrefixCachingMachine = PrefixCachingMachine.TestCase
 TestPrefixCachingMachine.settings = machine_settings(max_examples=500, steps=50)
 
 
-# -- 3. Scheduler -----------------------------------------------------------------------------------------
-
-
-@st.composite
-def scheduler_setups(draw, chunked: bool | st.SearchStrategy[bool], swap: bool = False):
-    """A tight KV pool: max_model_len is at least half the pool, so two long requests already run it dry.
-    With `swap`, preemption swaps (or, in auto mode, picks by a cost model) into a CPU pool that is often too
-    small, and some steps force a preemption."""
-    if not isinstance(chunked, bool):
-        chunked = draw(chunked, "enable_chunked_prefill")
-    block_size = draw(st.sampled_from(BLOCK_SIZES), "block_size")
-    num_blocks = draw(st.integers(cdiv(2, block_size), max(1, 48 // block_size)), "num_blocks")
-    capacity = num_blocks * block_size
-    max_model_len = draw(st.integers(max(2, capacity // 2), capacity), "max_model_len")
-    max_num_seqs = draw(st.integers(1, 8), "max_num_seqs")
-    # Often smaller than the prompts. With chunked prefill that is the chunking path; without it prompts are
-    # kept within the budget (as the engine does), but a recomputed request longer than a step is still chunked.
-    max_num_batched_tokens = draw(
-        st.integers(1, 4) | st.integers(1, max_model_len) | st.integers(max_model_len, 2 * max_model_len),
-        "max_num_batched_tokens",
-    )
-    mode, num_cpu_blocks, force_rate = PreemptionMode.RECOMPUTE, 0, 0.0
-    partial = draw(st.booleans(), "enable_partial_preemption")
-    if swap:
-        mode = draw(st.sampled_from([PreemptionMode.SWAP, PreemptionMode.AUTO]), "preemption_mode")
-        num_cpu_blocks = draw(st.integers(0, 2 * num_blocks), "num_cpu_blocks")
-        force_rate = draw(st.sampled_from([0.0, 0.1, 0.3]), "force_preemption_rate")
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=chunked,
-        preemption_mode=mode,
-        enable_partial_preemption=partial,
-        force_preemption_rate=force_rate,
-    )
-    return config, num_blocks, block_size, num_cpu_blocks
-
-
-class SchedulerMachine(RuleBasedStateMachine):
-    """Drive a Scheduler with a fake model; check budgets, preemption order, finishing and liveness."""
-
-    MAX_TEARDOWN_STEPS = 10_000  # a cap; the bound used is usually much lower (see teardown)
-    PREFIX_CACHING = False
-
-    def _setup(self, setup) -> None:
-        config, num_blocks, block_size, num_cpu_blocks = setup
-        self.config = config
-        self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=self.PREFIX_CACHING)
-        self.swap = None
-        if config.preemption_mode != PreemptionMode.RECOMPUTE:
-            self.swap = SwapSpace(self.kv, num_cpu_blocks)
-        # auto: with these speeds a victim is swapped when its blocks are on average more than 3/4 full
-        copy_speed = 2 * 64 / (0.75 * block_size * 1e-3)
-        cost_model = PreemptionCostModel(64, block_size, copy_bytes_per_s=copy_speed, prefill_tokens_per_s=1e3)
-        self.scheduler = Scheduler(config, self.kv, self.swap, cost_model)
-        self.cpu_slot_content: dict[int, tuple[int, ...]] = {}  # shadow of the CPU pool
-        assert config.max_model_len <= num_blocks * block_size
-        self.max_prompt_len = config.max_model_len - 1
-        if not config.enable_chunked_prefill:  # the engine rejects longer prompts without chunked prefill
-            self.max_prompt_len = min(self.max_prompt_len, config.max_num_batched_tokens)
-        self.num_arrivals = 0
-        self.eos_at: dict[str, int | None] = {}  # request_id -> output index at which the fake model says EOS
-        self.expected_output: dict[str, list[int]] = {}
-        self.finished: dict[str, RequestStatus] = {}
-        self.num_preemptions_seen = 0
-        self.num_steps_with_chunks = 0
-        self.num_hit_tokens_seen = 0
-        self.slot_content: dict[int, tuple[int, ...]] = {}  # shadow KV: slot -> the token prefix it holds
-
-    # -- the fake model -------------------------------------------------------------------------------------
-
-    def _next_token(self, request: Request) -> int:
-        index = request.num_output_tokens
-        if self.eos_at[request.request_id] == index:
-            return EOS
-        return 1 + (request.arrival_index * 7 + index) % 50
-
-    @staticmethod
-    def _expected_finish(token: int, num_output: int, max_tokens: int) -> RequestStatus | None:
-        """What `Request.check_stop` should say (min_tokens 0, no stop ids; prompt + max_tokens <= max_model_len)."""
-        if token == EOS:
-            return RequestStatus.FINISHED_STOPPED
-        if num_output >= max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    # -- rules ----------------------------------------------------------------------------------------------
-
-    @rule(count=st.integers(1, 3), data=st.data())
-    def add_requests(self, count: int, data) -> None:
-        for _ in range(count):
-            self._add_request(data)
-
-    def _add_request(self, data) -> None:
-        prompt_len = data.draw(st.integers(1, self.max_prompt_len), "prompt_len")
-        max_tokens = data.draw(st.integers(1, self.config.max_model_len - prompt_len), "max_tokens")
-        eos_at = data.draw(st.none() | st.integers(0, max_tokens), "eos_at")
-        request_id = f"req{self.num_arrivals}"
-        family = data.draw(st.integers(0, 2), "prompt_family")  # same family, same prefix: prefix-cache hits
-        prompt = [1 + (family * 31 + i) % 97 for i in range(prompt_len)]
-        request = Request(
-            request_id,
-            prompt,
-            SamplingParams(temperature=0, max_tokens=max_tokens),
-            self.num_arrivals,
-            max_tokens,
-            eos_token_ids=frozenset({EOS}),
-        )
-        self.num_arrivals += 1
-        self.eos_at[request_id] = eos_at
-        self.expected_output[request_id] = []
-        self.scheduler.add_request(request)
-        assert self.scheduler.waiting[-1] is request and request.status == RequestStatus.WAITING
-        with pytest.raises(ValueError):
-            self.scheduler.add_request(request)
-
-    @rule(num_steps=st.integers(1, 4), abort_mid_step=st.booleans(), data=st.data())
-    def step(self, num_steps: int, abort_mid_step: bool, data) -> None:
-        for i in range(num_steps):
-            self._step(data if abort_mid_step and i == num_steps - 1 else None)
-            self.scheduler_invariants()
-
-    @precondition(lambda self: self.scheduler.requests)
-    @rule(data=st.data())
-    def abort(self, data) -> None:
-        request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)), "abort_id")
-        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        assert request is not None and request.request_id == request_id
-        assert request.status == RequestStatus.FINISHED_ABORTED and request.is_finished
-        assert request_id not in self.kv.block_tables
-        assert self.swap is None or request_id not in self.swap.block_tables
-        self.finished[request_id] = RequestStatus.FINISHED_ABORTED
-
-    @rule(data=st.data())
-    def abort_unknown(self, data) -> None:
-        request_id = data.draw(st.sampled_from(["unknown", *sorted(self.finished)]), "unknown_id")
-        free_before = self.kv.pool.free_block_ids()
-        queues_before = self._queue_ids()
-        assert self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is None
-        assert self.kv.pool.free_block_ids() == free_before
-        assert self._queue_ids() == queues_before
-
-    def _queue_ids(self) -> tuple[list[str], list[str]]:
-        return [r.request_id for r in self.scheduler.waiting], [r.request_id for r in self.scheduler.running]
-
-    # -- one step, checked ----------------------------------------------------------------------------------
-
-    def _step(self, abort_data=None) -> None:
-        scheduler, config = self.scheduler, self.config
-        running_before = list(scheduler.running)
-        running_ids_before = {r.request_id for r in running_before}
-        computed_before = {rid: r.num_computed_tokens for rid, r in scheduler.requests.items()}
-        tokens_before = {rid: r.num_tokens for rid, r in scheduler.requests.items()}
-        free_before = set(self.kv.pool.free_block_ids())
-        had_unfinished = scheduler.has_unfinished_requests()
-        oldest = min(scheduler.requests.values(), key=lambda r: r.order, default=None)
-        swapped_before = {r.request_id for r in scheduler.swapped}
-        scheduler.take_freed_blocks()
-
-        out = scheduler.schedule()
-
-        ids = [s.request_id for s in out.scheduled]
-        assert len(ids) == len(set(ids)), f"a request is scheduled twice: {ids}"
-        assert out.num_batched_tokens <= config.max_num_batched_tokens
-        assert len(scheduler.running) <= config.max_num_seqs
-        if had_unfinished:
-            assert not out.is_empty or out.preempted or out.swapped_in, "a step with unfinished requests did nothing"
-            # No starvation: the oldest request runs first with the whole budget and is never the victim. With
-            # swapping and forced preemptions it can be a victim, and swapped requests come back before waiting
-            # ones: then only a running oldest request is sure to run (liveness is checked at teardown).
-            if oldest.request_id not in out.preempted and (self.swap is None or oldest.request_id in running_ids_before):
-                assert oldest.request_id in ids, f"the oldest request {oldest.request_id} was not scheduled"
-        truncated = dict(out.truncated)  # partial preemption: the victim keeps running from its first blocks
-        assert not truncated or config.enable_partial_preemption
-        for s in out.scheduled:
-            request = scheduler.requests[s.request_id]
-            assert request.status == RequestStatus.RUNNING
-            assert s.num_new_tokens >= 1
-            assert s.num_computed_tokens == request.num_computed_tokens
-            if s.request_id in truncated:
-                assert s.num_computed_tokens == truncated[s.request_id]
-            elif s.request_id in running_ids_before or s.request_id in swapped_before:
-                assert s.num_computed_tokens == computed_before[s.request_id]
-            else:  # just admitted: from scratch, or from its longest cached prefix of full blocks
-                assert computed_before[s.request_id] == 0
-                assert s.num_computed_tokens % self.kv.block_size == 0
-                assert s.num_computed_tokens < tokens_before[s.request_id], "the last token is always computed"
-                if not self.PREFIX_CACHING:
-                    assert s.num_computed_tokens == 0
-                self.num_hit_tokens_seen += s.num_computed_tokens
-            remaining = tokens_before[s.request_id] - s.num_computed_tokens
-            assert s.num_new_tokens <= remaining
-            assert s.samples == (s.num_new_tokens == remaining)
-            if not config.enable_chunked_prefill and remaining <= config.max_num_batched_tokens:
-                assert s.num_new_tokens == remaining, "without chunked prefill, a prefill that fits is not split"
-            table = self.kv.block_table(s.request_id)
-            assert table.num_tokens >= s.num_computed_tokens + s.num_new_tokens
-            if not s.samples:
-                self.num_steps_with_chunks += 1
-        for rid, blocks in out.allocated:
-            assert rid in ids and set(blocks) <= set(self.kv.block_table(rid).block_ids)
-
-        # Preemption: the victims are the most recently arrived running requests, newest first. Recomputed
-        # ones go back to the front of the waiting queue with no blocks and nothing computed; swapped ones
-        # keep what they computed, in a CPU table.
-        if out.preempted:
-            self.num_preemptions_seen += len(out.preempted)
-            victims = list(dict.fromkeys(out.preempted))  # a partial victim may give up blocks more than once
-            newest_first = sorted(running_before, key=lambda r: r.order, reverse=True)
-            expected = [r.request_id for r in newest_first[: len(victims)]]
-            assert victims == expected, f"preempted {out.preempted}, expected the newest {expected}"
-            whole = [rid for rid in victims if scheduler.requests[rid].status != RequestStatus.RUNNING]
-            assert len(out.preempted) - len(out.truncated) == len(whole), "a whole preemption per victim at most"
-            assert set(ids) <= running_ids_before, "a step that preempted admitted a new request"
-            assert not out.swapped_in, "a step that preempted swapped a request in"
-            assert {r.request_id for r in scheduler.running} <= running_ids_before
-            assert not (set(out.preempted) - set(truncated)) & set(ids)
-            still_running = [rid for rid in victims if scheduler.requests[rid].status == RequestStatus.RUNNING]
-            for rid in still_running:  # only its tail was taken
-                victim, table = scheduler.requests[rid], self.kv.block_table(rid)
-                assert rid in truncated and victim.num_computed_tokens <= computed_before[rid] and table.block_ids
-                if rid not in ids:  # (a forced partial preemption may be followed by the victim's own turn)
-                    assert victim.num_computed_tokens == truncated[rid] == table.num_tokens
-                    assert table.num_tokens % self.kv.block_size == 0
-            recomputed = [rid for rid in victims if scheduler.requests[rid].status == RequestStatus.WAITING]
-            if self.swap is None:  # with swapping, a swapped-in request may be younger than one waiting
-                front = [r.request_id for r in list(scheduler.waiting)[: len(recomputed)]]
-                assert front == list(reversed(recomputed)), "recomputed requests go to the front of waiting"
-            swapped_out = [rid for rid, _ in out.swapped_out]
-            assert sorted(swapped_out) == sorted(set(victims) - set(recomputed) - set(still_running))
-            for rid in set(victims) - set(still_running):
-                victim = scheduler.requests[rid]
-                assert rid not in self.kv.block_tables
-                assert victim.num_preemptions >= 1
-                if rid in recomputed:
-                    assert victim.num_computed_tokens == 0
-                else:
-                    assert victim.status == RequestStatus.SWAPPED
-                    assert victim.num_computed_tokens == truncated.get(rid, computed_before[rid])
-                    assert self.swap.block_tables[rid].num_tokens == victim.num_computed_tokens
-        else:
-            assert not out.swapped_out
-        if scheduler.swapped or swapped_before - {rid for rid, _ in out.swapped_in}:
-            assert set(ids) <= running_ids_before | swapped_before, "admitted while requests were swapped out"
-        for rid, _ in out.swapped_in:
-            assert rid in swapped_before and scheduler.requests[rid].status == RequestStatus.RUNNING
-
-        # Blocks reported freed: whatever became free was reported, and what was reported is free or reused.
-        freed = set(scheduler.take_freed_blocks())
-        free_now = set(self.kv.pool.free_block_ids())
-        reallocated = {b for _, blocks in out.allocated for b in blocks}
-        reallocated |= {device for _, pairs in out.swapped_in for _, device in pairs}
-        assert free_now <= free_before | freed
-        assert freed <= free_now | reallocated
-
-        aborted = None
-        if abort_data is not None and ids:
-            aborted = abort_data.draw(st.sampled_from(ids), "abort_mid_step")
-            scheduler.finish_request(aborted, RequestStatus.FINISHED_ABORTED)
-            self.finished[aborted] = RequestStatus.FINISHED_ABORTED
-
-        self._run_shadow_model(out, aborted)
-
-        sampled = {}
-        for s in out.scheduled:
-            if s.samples and s.request_id != aborted:
-                sampled[s.request_id] = self._next_token(scheduler.requests[s.request_id])
-        live = {rid: scheduler.requests[rid] for rid in ids if rid != aborted}
-
-        update = scheduler.update_from_output(out, sampled)
-
-        assert dict(update.appended) == sampled
-        finished_ids = {r.request_id for r in update.finished}
-        for s in out.scheduled:
-            if s.request_id == aborted:
-                continue
-            request = live[s.request_id]
-            if s.samples:
-                self.expected_output[s.request_id].append(sampled[s.request_id])
-                want = self._expected_finish(
-                    sampled[s.request_id], len(self.expected_output[s.request_id]), request.max_tokens
-                )
-                assert request.status == (want or RequestStatus.RUNNING), (
-                    f"{s.request_id}: status {request.status}, expected {want}"
-                )
-                assert (want is not None) == (s.request_id in finished_ids)
-                if want is not None:
-                    self.finished[s.request_id] = want
-                    assert s.request_id not in self.kv.block_tables
-            assert request.output_token_ids == self.expected_output[s.request_id]
-            if not request.is_finished:
-                assert request.num_computed_tokens == s.num_computed_tokens + s.num_new_tokens
-                assert request.num_computed_tokens < request.num_tokens
-        self._check_bookkeeping()
-
-    def _check_bookkeeping(self) -> None:
-        """Every request ever added is unfinished in the scheduler or recorded as finished, never both."""
-        live, done = set(self.scheduler.requests), set(self.finished)
-        assert not live & done and live | done == set(self.eos_at)
-
-    def _run_shadow_model(self, out, aborted: str | None) -> None:
-        """What the model runner would do: swap blocks out, then in (in the engine's order), then read the KV of
-        tokens [0, start), write that of [start, start + new)."""
-        size = self.kv.block_size
-        for source_content, target_content, moves in (
-            (self.slot_content, self.cpu_slot_content, out.swapped_out),
-            (self.cpu_slot_content, self.slot_content, out.swapped_in),
-        ):
-            for _, pairs in moves:
-                for source, target in pairs:
-                    for offset in range(size):
-                        content = source_content.get(source * size + offset)
-                        target_content[target * size + offset] = content
-        for s in out.scheduled:
-            if s.request_id == aborted:
-                continue
-            request = self.scheduler.requests[s.request_id]
-            table = self.kv.block_table(s.request_id)
-            tokens = tuple(request.token_ids(0, request.num_tokens))
-            for position in range(s.num_computed_tokens):
-                assert self.slot_content.get(table.slot(position)) == tokens[: position + 1], (
-                    f"{s.request_id} reads position {position} from slot {table.slot(position)}, which holds the KV "
-                    "of other tokens"
-                )
-            for position in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
-                self.slot_content[table.slot(position)] = tokens[: position + 1]
-
-    # -- invariants and liveness ----------------------------------------------------------------------------
-
-    @invariant()
-    def scheduler_invariants(self) -> None:
-        scheduler = self.scheduler
-        scheduler.check_invariants()  # the block manager's too
-        # FCFS admission plus "victims go to the front" keep the waiting queue in arrival order.
-        waiting_orders = [r.order for r in scheduler.waiting]
-        assert waiting_orders == sorted(waiting_orders), "waiting is not in arrival order"
-        for request in scheduler.requests.values():
-            assert not request.is_finished
-            assert request.num_tokens <= self.config.max_model_len
-            assert request.output_token_ids == self.expected_output[request.request_id]
-        for request in scheduler.running:
-            table = self.kv.block_table(request.request_id)
-            assert len(table.block_ids) == cdiv(table.num_tokens, self.kv.block_size)
-        assert self.kv.num_free_blocks + self.kv.pool.num_used_blocks == self.num_blocks
-
-    def teardown(self) -> None:
-        if not hasattr(self, "scheduler"):
-            return
-        self.scheduler.config = dataclasses.replace(self.scheduler.config, force_preemption_rate=0.0)
-        # Liveness. The oldest unfinished request is scheduled every step and needs at most max_model_len
-        # tokens, one step each at worst, so the requests finish one by one within this many steps. A tight
-        # bound keeps a livelocking regression from making shrinking crawl.
-        max_steps = min(self.MAX_TEARDOWN_STEPS, len(self.scheduler.requests) * (self.config.max_model_len + 1))
-        for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
-                break
-            self._step()
-            self.scheduler_invariants()
-        assert not self.scheduler.has_unfinished_requests(), (
-            f"not finished after {max_steps} steps: {list(self.scheduler.requests.values())}"
-        )
-        self._check_bookkeeping()
-        assert self.kv.num_free_blocks == self.num_blocks
-        assert not self.kv.block_tables
-        assert not self.scheduler.requests
-        if self.swap is not None:
-            assert not self.swap.block_tables and self.swap.pool.num_used_blocks == 0, "CPU blocks leaked"
-
-
-class SchedulerMachineNoChunking(SchedulerMachine):
-    @initialize(setup=scheduler_setups(chunked=False))
-    def setup(self, setup) -> None:
-        self._setup(setup)
-
-
-class SchedulerMachineChunked(SchedulerMachine):
-    @initialize(setup=scheduler_setups(chunked=True))
-    def setup(self, setup) -> None:
-        self._setup(setup)
-
-
-class SchedulerMachinePrefixCaching(SchedulerMachine):
-    """Same rules and checks with prefix caching on: admitted requests may start from cached blocks."""
-
-    PREFIX_CACHING = True
-
-    @initialize(setup=scheduler_setups(chunked=st.booleans()))
-    def setup(self, setup) -> None:
-        self._setup(setup)
-
-
-class SchedulerMachineSwap(SchedulerMachine):
-    """Preemption by swap (or auto) into a small CPU pool, forced preemptions, chunked prefill on or off."""
-
-    @initialize(setup=scheduler_setups(chunked=st.booleans(), swap=True))
-    def setup(self, setup) -> None:
-        self._setup(setup)
-
-
-class SchedulerMachineSwapPrefixCaching(SchedulerMachineSwap):
-    """Swapping with prefix caching: swapped-in requests rehash their blocks; hits and swaps interleave."""
-
-    PREFIX_CACHING = True
-
-
-TestSchedulerMachineNoChunking = SchedulerMachineNoChunking.TestCase
-TestSchedulerMachineNoChunking.settings = machine_settings(max_examples=200, steps=50)
-TestSchedulerMachineChunked = SchedulerMachineChunked.TestCase
-TestSchedulerMachineChunked.settings = machine_settings(max_examples=200, steps=50)
-TestSchedulerMachinePrefixCaching = SchedulerMachinePrefixCaching.TestCase
-TestSchedulerMachinePrefixCaching.settings = machine_settings(max_examples=200, steps=50)
-TestSchedulerMachineSwap = SchedulerMachineSwap.TestCase
-TestSchedulerMachineSwap.settings = machine_settings(max_examples=300, steps=50)
-TestSchedulerMachineSwapPrefixCaching = SchedulerMachineSwapPrefixCaching.TestCase
-TestSchedulerMachineSwapPrefixCaching.settings = machine_settings(max_examples=200, steps=50)
-
-
-# -- 4. Plain unit tests ----------------------------------------------------------------------------------
+# -- 3. Plain unit tests ----------------------------------------------------------------------------------
 
 
 def test_block_pool_allocates_from_head_and_frees_to_tail():
@@ -1018,9 +599,9 @@ def test_block_table_slots_by_hand():
 
 def test_allocate_slots_grows_by_blocks_and_frees_tail_first():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    assert kv.allocate_slots("a", 5) == [0, 1]
-    assert kv.allocate_slots("a", 8) == []  # still fits in two blocks
-    assert kv.allocate_slots("a", 9) == [2]
+    assert kv.allocate_slots("a", 5).new_block_ids == (0, 1)
+    assert kv.allocate_slots("a", 8).new_block_ids == ()  # still fits in two blocks
+    assert kv.allocate_slots("a", 9).new_block_ids == (2,)
     assert kv.allocate_slots("b", 8) is None  # needs 2, 1 free: nothing changes
     assert "b" not in kv.block_tables and kv.num_free_blocks == 1
     assert kv.free("a") == [2, 1, 0]
@@ -1031,8 +612,8 @@ def test_allocate_slots_grows_by_blocks_and_frees_tail_first():
 def test_failed_allocate_slots_keeps_an_empty_table():
     """Regression: a failed call changes nothing, even for a table that holds no block yet."""
     kv = KVCacheManager(num_blocks=1, block_size=4)
-    assert kv.allocate_slots("a", 0) == []  # a table with no blocks yet
-    assert kv.allocate_slots("b", 4) == [0]  # the pool is now full
+    assert kv.allocate_slots("a", 0).new_block_ids == ()  # a table with no blocks yet
+    assert kv.allocate_slots("b", 4).new_block_ids == (0,)  # the pool is now full
     assert kv.allocate_slots("a", 4) is None
     assert kv.block_table("a").block_ids == [] and kv.block_table("a").num_tokens == 0
     kv.check_invariants()

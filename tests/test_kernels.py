@@ -219,6 +219,14 @@ def test_prefill_matches_reference(case):
     run_prefill(case, prefill_chunks(case[2]))
 
 
+def test_float32_head_dim_256_takes_smaller_tiles():
+    """The tiles the compile test (test_kernels_compile.py) made the wrappers pick for float32 at head dim 256
+    (32 keys in decode, 16 in prefill, so as to fit an L4's shared memory without spilling) are right too."""
+    case = (1, 256, 16, torch.float32)
+    run_decode(case, decode_lens(16))
+    run_prefill(case, prefill_chunks(16))
+
+
 @pytest.mark.parametrize("sliding_window", [1, 8, 33])
 def test_prefill_sliding_window(sliding_window):
     run_prefill((3, 80, 16, torch.float32), prefill_chunks(16), sliding_window)

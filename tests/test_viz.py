@@ -8,7 +8,7 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-from pagedlab.core.scheduler import ScheduledRequest
+from pagedlab.core.sched_output import ScheduledRequest
 from pagedlab.core.trace import BlockTableSnapshot, StepRecord, Trace
 from pagedlab.viz import (
     animate,

@@ -30,7 +30,7 @@ class BlockPool:
     Invariants:
       - every block id in [0, num_blocks) is either in the free queue or has ref_count >= 1, never both;
       - ref_count is never negative;
-      - num_free_blocks + num_used_blocks == num_blocks;
+      - the free queue holds each free block once;
       - hash_to_block and block_hash agree: hash_to_block[h] == b  <=>  block_hash[b] == h, and such a block
         holds block_tokens[b]; a block loses its hash only when it is handed out again (evicted) or the
         cache is reset.
@@ -46,7 +46,6 @@ class BlockPool:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[BlockHash, int] = {}
         self.num_evicted_blocks = 0
-        self._evicted: list[int] = []  # since the last take_evicted()
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,8 +63,9 @@ class BlockPool:
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` blocks from the head of the free queue, each with ref_count 1."""
+    def allocate(self, num_blocks: int, evicted: list[int] | None = None) -> list[int]:
+        """Take `num_blocks` blocks from the head of the free queue, each with ref_count 1. A cached block handed
+        out loses its hash (its content is evicted); its id is appended to `evicted` when a list is given."""
         if num_blocks > len(self._free):
             raise NotEnoughBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} are free")
         block_ids = []
@@ -74,7 +74,8 @@ class BlockPool:
             if self.block_hash[block_id] is not None:  # a cached block is reused: evict its content now
                 self._uncache(block_id)
                 self.num_evicted_blocks += 1
-                self._evicted.append(block_id)
+                if evicted is not None:
+                    evicted.append(block_id)
             self.ref_count[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -118,10 +119,6 @@ class BlockPool:
             self._uncache(block_id)
         return True
 
-    def take_evicted(self) -> tuple[int, ...]:
-        evicted, self._evicted = tuple(self._evicted), []
-        return evicted
-
     def share(self, block_ids: Iterable[int]) -> None:
         """Add one holder to each block (a fork: two block tables now point at it)."""
         for block_id in block_ids:
@@ -144,7 +141,10 @@ class BlockPool:
         return list(self._free)
 
     def check_invariants(self) -> None:
-        assert len(self._free) + self.num_used_blocks == self.num_blocks
+        assert len(self._free) == len(set(self._free)) and all(0 <= b < self.num_blocks for b in self._free)
+        assert sum(count > 0 for count in self.ref_count) + len(self._free) == self.num_blocks, (
+            "a block is neither free nor held, or both"
+        )
         for block_hash, block_id in self.hash_to_block.items():
             assert self.block_hash[block_id] == block_hash, f"hash entry of block {block_id} is stale"
         assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block)

@@ -7,9 +7,14 @@
       swap cost      = 2 x bytes of the victim's blocks / copy bandwidth     (out now, back in later)
       recompute cost = tokens it has computed / prefill speed (tokens/s)
 
-Both costs grow linearly with the victim's length, so on one machine the choice is nearly always the same;
-the model exists to make it measured, explained and reproducible instead of hard-coded. When the CPU pool
-is full a swap falls back to recompute. Pure Python: the engine measures, this module decides.
+A victim is a whole group (a request's samples or beams, which share blocks), so that a swap keeps their
+sharing. Recomputing a group of samples re-prefills each sample on its own; a beam search cannot be recomputed
+beam by beam (its beams would lose the blocks they share and need more memory than before, and it takes a beam
+step only when every beam is ready), so it starts again from its prompt, which gives the same beams.
+`preempt_tail` is partial preemption: a one-sequence victim gives up only its last blocks.
+
+The functions here change the victims' blocks and counters and return a frozen record; the scheduler moves
+the victims between its queues. Pure Python: the engine measures the costs, this module decides.
 
 # Explained in chapters/06_preemption.ipynb
 """
@@ -17,7 +22,13 @@ is full a swap falls back to recompute. Pure Python: the engine measures, this m
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pagedlab.core.kv_cache_manager import KVCacheManager
+from pagedlab.core.request import Request
+from pagedlab.core.sched_output import Move
+from pagedlab.core.swap_space import SwapSpace
 
 
 class PreemptionMode(str, enum.Enum):
@@ -33,7 +44,7 @@ class PreemptionCostModel:
     bytes_per_block: int
     block_size: int
     copy_bytes_per_s: float  # one direction, device <-> CPU swap pool, batched copy of whole blocks
-    prefill_tokens_per_s: float  # the model's prefill speed on this device
+    prefill_tokens_per_s: float  # the model's prefill speed on this device, through the paged forward
 
     def swap_seconds(self, num_blocks: int) -> float:
         return 2 * num_blocks * self.bytes_per_block / self.copy_bytes_per_s
@@ -58,3 +69,69 @@ class PreemptionCostModel:
             f"recomputing it costs {1e6 * recompute:.2f} us (prefill at {self.prefill_tokens_per_s:,.0f} tokens/s): "
             f"{winner} is {ratio:.1f}x cheaper, so auto chooses {winner} (recompute when the CPU pool is full)"
         )
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """What one preemption did."""
+
+    request_ids: tuple[str, ...]  # the victim sequences, in order
+    mode: PreemptionMode  # what was done: RECOMPUTE (KV dropped) or SWAP (KV moved to the CPU pool)
+    swapped_out: tuple[Move, ...] = ()
+    freed: tuple[int, ...] = ()  # device blocks that became free
+    num_recomputed_tokens: int = 0  # computed tokens whose KV was dropped
+    kept_tokens: int | None = None  # partial preemption: the computed tokens the victim keeps
+    restarted: str | None = None  # a beam group that starts again from its prompt (its first beam stays)
+
+    @property
+    def is_partial(self) -> bool:
+        return self.kept_tokens is not None
+
+
+def preempt_group(
+    group: Sequence[Request], mode: PreemptionMode, kv: KVCacheManager, swap_space: SwapSpace | None,
+    cost_model: PreemptionCostModel | None,
+) -> Preemption:  # fmt: skip
+    """Preempt the running sequences of one group, all of them, by `mode` ("auto" asks the cost model; a swap
+    falls back to recompute when the CPU pool has no room)."""
+    ids = [r.request_id for r in group]
+    if mode == PreemptionMode.AUTO:
+        num_blocks = swap_space.num_blocks_to_swap_out(ids) if swap_space else 0
+        mode = cost_model.choose(num_blocks, sum(r.num_computed_tokens for r in group))
+    for request in group:
+        request.num_preemptions += 1
+    if mode == PreemptionMode.SWAP and swap_space.can_swap_out(ids):
+        moves, freed = swap_space.swap_out(ids)
+        return Preemption(tuple(ids), PreemptionMode.SWAP, tuple(moves), tuple(freed))
+    freed = [b for request_id in ids for b in kv.free(request_id)]
+    recomputed = sum(r.num_computed_tokens for r in group)
+    for request in group:
+        request.num_computed_tokens = 0
+    restarted = None
+    if group[0].is_beam and len(group) > 1:
+        restarted = group[0].group_id
+        group[0].output_token_ids.clear()  # the first beam becomes the root again; the others are dropped
+    return Preemption(tuple(ids), PreemptionMode.RECOMPUTE, (), tuple(freed), recomputed, restarted=restarted)
+
+
+def preempt_tail(victim: Request, num_blocks: int, kv: KVCacheManager) -> Preemption | None:
+    """Partial preemption: take from a one-sequence `victim` only the last blocks whose release frees
+    `num_blocks`.
+
+    The victim keeps running from the full blocks it keeps and recomputes the rest of its tokens as a
+    prefill chunk when room comes back; its first block always stays (else it is a whole preemption).
+
+        before:  victim [4, 9, 2, 7]  14 tokens computed        the current request needs 2 blocks
+        after:   victim [4, 9]         8 tokens computed        blocks 2 and 7 are free; 6 tokens to redo
+
+    Returns None, changing nothing, when its unshared tail blocks are too few."""
+    num_released = kv.num_tail_blocks_to_release(victim.request_id, num_blocks)
+    if num_released is None:
+        return None
+    num_kept = len(kv.block_tables[victim.request_id].block_ids) - num_released
+    freed = kv.truncate(victim.request_id, num_kept)
+    kept = min(victim.num_computed_tokens, num_kept * kv.block_size)
+    recomputed = victim.num_computed_tokens - kept
+    victim.num_computed_tokens = kept
+    victim.num_preemptions += 1
+    return Preemption((victim.request_id,), PreemptionMode.RECOMPUTE, (), tuple(freed), recomputed, kept_tokens=kept)

@@ -1,8 +1,13 @@
-"""One request's state as the scheduler sees it: its tokens, how many have KV, and whether it is done.
+"""One sequence inside the core: its tokens, how many have KV, where it came from, and whether it is done.
 
 A request's tokens are its prompt followed by what it has generated. `num_computed_tokens` counts those whose
 K and V are already in the cache; the scheduler's one rule is to compute `num_tokens - num_computed_tokens`
 more. A prefill is just a request with many uncomputed tokens; a decode is one with exactly one.
+
+A user's request with `n > 1` samples, or a beam search, grows into a *group* of requests: the first one holds
+the user's id and computes the prompt; the others are forked from it (or from each other, for beams), share its
+KV blocks, and record where they came from in `parent_id`. All of them carry the user's id as `group_id`. The
+core sees token ids only: text, stop strings and logprobs belong to the output processor.
 
 # Explained in chapters/05_continuous_batching.ipynb
 """
@@ -21,7 +26,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # its processing raised; the error is in `Request.error`
+    FINISHED_ERROR = "error"  # its processing raised, or it can never fit
+    FINISHED_PRUNED = "pruned"  # a beam that no continuation chose
 
     @property
     def is_finished(self) -> bool:
@@ -34,12 +40,12 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """A request inside the engine (mutable; the scheduler and the engine update it each step).
+    """A sequence inside the core (mutable; the scheduler updates it each step).
 
     Invariants:
       - 0 <= num_computed_tokens <= num_tokens; a running request has num_computed_tokens < num_tokens
         between steps (its newest token still needs its KV computed);
-      - output_token_ids only grows, except that nothing is ever removed from it.
+      - requests of one group share `group_id` and `arrival_index`; the first has `parent_id` None.
     """
 
     def __init__(
@@ -49,32 +55,31 @@ class Request:
         sampling_params: SamplingParams,
         arrival_index: int,
         max_tokens: int,
-        eos_token_ids: frozenset[int],
-        prompt: str | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
         cache_salt: str | None = None,
+        *,
+        group_id: str | None = None,
+        parent_id: str | None = None,
         sample_index: int = 0,
+        beam_width: int = 0,
     ) -> None:
         self.request_id = request_id
-        self.prompt = prompt
-        self.cache_salt = cache_salt  # an extra prefix-cache key: equal tokens with other salts never share KV
-        self.sample_index = sample_index  # which of the n samples of its group this sequence is
-        self.forked = False  # set once the n - 1 other samples have been forked from this one
-        self.is_beam = False  # a beam-search sequence: the engine's beam step picks its tokens
-        self.group_size = sampling_params.n  # sequences the request grows into (n, or the beam width)
+        self.group_id = request_id if group_id is None else group_id  # the user's request
+        self.parent_id = parent_id  # the sequence this one was forked from
+        self.sample_index = sample_index  # its place in its group (sample i of n, or the i-th beam forked)
         self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
-        self.output_token_ids: list[int] = []
-        self.output_logprobs: list[dict[int, float]] = []
+        self.cache_salt = cache_salt  # an extra prefix-cache key: equal tokens with other salts never share KV
+        self.beam_width = beam_width  # > 0 for beam search: the engine's beam step picks its tokens
+        self.forked = False  # set once the n - 1 other samples have been forked from this one
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.error: str | None = None  # why it finished with FINISHED_ERROR
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
-        self.text = ""  # set when a stop string ends the request: the output text, cut before it
-        self.delta_seen = (0, 0)  # tokens and characters already returned, for DELTA outputs
+        self.stop_reason: int | None = None  # the stop token id that ended it, if one did
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,30 +107,36 @@ class Request:
         return self.status.is_finished
 
     @property
+    def is_beam(self) -> bool:
+        return self.beam_width > 0
+
+    @property
     def needs_fork(self) -> bool:
         """True for the first sample of an n > 1 request until its prompt is done and the others fork."""
         return self.sampling_params.n > 1 and not self.forked
 
     @property
-    def num_seqs(self) -> int:
-        """How many running sequences it counts as: its group size until it has forked, then 1."""
-        return 1 if self.forked else self.group_size
+    def num_seqs_reserved(self) -> int:
+        """Sequence slots its group needs at most from now on (vLLM's max_num_running_seqs): the beam width for
+        a beam search, n for a request whose samples have not forked yet, else 1 per running sequence."""
+        if self.is_beam:
+            return self.beam_width
+        return self.sampling_params.n if self.needs_fork else 1
 
     @property
     def order(self) -> tuple[int, int]:
-        """First come, first served: by arrival, then by sample index within a group."""
+        """First come, first served: by arrival, then by place within the group."""
         return (self.arrival_index, self.sample_index)
 
     def fork(self, request_id: str, sample_index: int, sampling_params: SamplingParams) -> Request:
-        """A new sequence with this one's tokens so far (its KV blocks are shared by the block manager)."""
+        """A new sequence of this group with this one's tokens so far (the block manager shares its blocks)."""
         child = Request(
             request_id, self.prompt_token_ids, sampling_params, self.arrival_index, self.max_tokens,
-            self.eos_token_ids, self.prompt, self.cache_salt, sample_index,
+            self.eos_token_ids, self.cache_salt, group_id=self.group_id, parent_id=self.request_id,
+            sample_index=sample_index, beam_width=self.beam_width,
         )  # fmt: skip
         child.output_token_ids = list(self.output_token_ids)
-        child.output_logprobs = list(self.output_logprobs)
         child.num_computed_tokens = self.num_computed_tokens
-        child.is_beam = self.is_beam
         child.forked = True
         return child
 
@@ -133,8 +144,8 @@ class Request:
         self.output_token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """The finished status the newest token implies, or None to go on. Stop strings are checked by the
-        engine, which owns the tokenizer."""
+        """The finished status the newest token implies, or None to go on (stop strings are the output
+        processor's: it sees text)."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:

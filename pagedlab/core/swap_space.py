@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedlab.core.block_pool import BlockPool
-from pagedlab.core.kv_cache_manager import BlockTable, KVCacheManager
-
-Move = tuple[str, tuple[tuple[int, int], ...]]  # (request_id, ((source block, target block), ...))
+from pagedlab.core.block_table import BlockTable
+from pagedlab.core.kv_cache_manager import KVCacheManager
+from pagedlab.core.sched_output import Move
 
 
 class SwapSpace:

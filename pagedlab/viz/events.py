@@ -10,7 +10,7 @@ Token text appears only when a tokenizer is given (else the token id). Reads onl
 
 from __future__ import annotations
 
-from pagedlab.core.scheduler import ScheduledRequest
+from pagedlab.core.sched_output import ScheduledRequest
 from pagedlab.core.trace import StepRecord, Trace
 from pagedlab.viz._common import step
 

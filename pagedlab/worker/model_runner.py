@@ -1,8 +1,9 @@
 """Run one scheduled step through an unmodified `transformers` model over the paged KV cache.
 
-The runner flattens the step into one ragged row (decodes first, then prefill chunks), builds the attention
-metadata once, calls the model with pagedlab's attention selected for that call only, keeps the logits of
-the rows that sample, and hands them to the sampler. It owns the KV cache tensor and nothing else of state.
+The runner flattens the step's `ScheduledRequest`s into one ragged row (decodes first, then prefill chunks),
+builds the attention metadata once, calls the model with pagedlab's attention selected for that call only,
+keeps the logits of the rows that sample, and hands them to the sampler. It reads only the step's data (token
+ids, block tables, how to sample), owns the KV cache tensor, and keeps no other state but the sampler's.
 
 # Explained in chapters/05_continuous_batching.ipynb
 """
@@ -12,53 +13,46 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pagedlab.core.kv_cache_manager import BlockTable
-from pagedlab.core.request import Request
-from pagedlab.core.scheduler import ScheduledRequest
+from pagedlab.core.block_table import cdiv
+from pagedlab.core.sched_output import ScheduledRequest
 from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext, PrefillChunk
 from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
-from pagedlab.worker.sampler import Sampler, SamplerOutput, SamplingRequest
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One request's part of a step, with what the runner needs to read its tokens and slots.
-
-    `forks` are the other samples of an n > 1 request that sample their first token from this request's
-    last row of logits (the prompt is computed once).
-    """
-
-    request: Request
-    scheduled: ScheduledRequest
-    block_table: BlockTable
-    forks: tuple[Request, ...] = ()
+from pagedlab.worker.sampler import Sampler, SamplerOutput
 
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled: dict[str, tuple[int, dict[int, float] | None]]  # request_id -> (token_id, logprobs if asked)
+    sampled: dict[str, int]  # request_id -> the token drawn
+    logprobs: dict[str, dict[int, float]]  # request_id -> {token_id: logprob}, for the requests that asked
     beam_logprobs: dict[str, torch.Tensor]  # beam sequence id -> [vocab_size] next-token log-probabilities
 
 
 @contextlib.contextmanager
-def _attention_implementation(model: torch.nn.Module, name: str):
-    """Select an attention implementation for the duration of one call, then restore the model's own.
+def engine_call(model: torch.nn.Module, name: str):
+    """Select an attention implementation, and eval mode, for the duration of one call; then restore the
+    model's own.
 
-    The model object is the user's: after the engine's call it runs with its own attention again, so
-    `model.generate()` keeps working on the same object.
+    The model object is the user's: after the engine's call it runs with its own attention again, and in its
+    own mode (a model in training mode would otherwise apply dropout), so `model.generate()` or a training
+    loop keeps working on the same object.
     """
     config = model.config
-    previous = config._attn_implementation_internal
+    previous, training = config._attn_implementation_internal, model.training
     config._attn_implementation_internal = name
+    if training:
+        model.eval()
     try:
         yield
     finally:
         config._attn_implementation_internal = previous
+        if training:
+            model.train()
 
 
 def keep_freed_memory() -> bool:
@@ -80,9 +74,8 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
-def _row_order(item: WorkItem) -> tuple[bool, int]:
+def _row_order(scheduled: ScheduledRequest) -> tuple[bool, int]:
     """Sort key of the flat batch's rows: decodes first, longest context first; then prefills, as scheduled."""
-    scheduled = item.scheduled
     return (not scheduled.is_decode, -scheduled.num_computed_tokens if scheduled.is_decode else 0)
 
 
@@ -115,7 +108,7 @@ class ModelRunner:
 
     def _forward(self, input_ids, positions, context: PagedAttentionContext, logits_to_keep=0) -> torch.Tensor:
         """The unmodified model on one flat row, with pagedlab's attention: logits [rows kept, vocab]."""
-        with _attention_implementation(self.model, ATTENTION_NAME):
+        with engine_call(self.model, ATTENTION_NAME):
             return self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
@@ -135,11 +128,11 @@ class ModelRunner:
             source, target = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
             self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
 
-    def execute(self, items: list[WorkItem]) -> RunnerOutput:
-        """Compute the step: sample a token for each request that samples; beam-search sequences get their
-        next-token log-probabilities instead, for the engine's beam step to choose from."""
-        input_ids, positions, sample_rows, metadata = self._prepare(items)
-        rows = [request for item in items if item.scheduled.samples for request in (item.request, *item.forks)]
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> RunnerOutput:
+        """Compute the step: draw a token for each sampling target; beam sequences get their next-token
+        log-probabilities instead, for the beam step to choose from."""
+        input_ids, positions, sample_rows, metadata = self._prepare(scheduled)
+        targets = [target for s in scheduled for target in s.sampling]
         with torch.inference_mode():
             logits = self.decode_graphs.run(input_ids, positions, metadata) if self.decode_graphs else None
             if logits is not None:
@@ -148,65 +141,48 @@ class ModelRunner:
                 context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend)
                 keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
                 logits = self._forward(input_ids, positions, context, keep)
-            sampled_rows = [i for i, request in enumerate(rows) if not request.is_beam]
-            beam_rows = [i for i, request in enumerate(rows) if request.is_beam]
-            sampling = [self._sampling_request(rows[i]) for i in sampled_rows]
+            sampled_rows = [i for i, target in enumerate(targets) if not target.is_beam]
+            beam_rows = [i for i, target in enumerate(targets) if target.is_beam]
+            sampling = [targets[i] for i in sampled_rows]
             out: SamplerOutput = self.sampler(logits[sampled_rows] if beam_rows else logits, sampling)
             beam_logprobs = torch.log_softmax(logits[beam_rows].float(), dim=-1) if beam_rows else None
-        sampled = {
-            row.request_id: (token_id, logprobs)
-            for row, token_id, logprobs in zip(sampling, out.token_ids, out.logprobs)
-        }
-        beams = {rows[i].request_id: beam_logprobs[j] for j, i in enumerate(beam_rows)}
-        return RunnerOutput(sampled, beams)
+        sampled = {target.request_id: token_id for target, token_id in zip(sampling, out.token_ids)}
+        logprobs = {t.request_id: lp for t, lp in zip(sampling, out.logprobs) if lp is not None}
+        beams = {targets[i].request_id: beam_logprobs[j] for j, i in enumerate(beam_rows)}
+        return RunnerOutput(sampled, logprobs, beams)
 
-    def forget(self, request_id: str) -> None:
-        self.sampler.forget(request_id)
-
-    @staticmethod
-    def _sampling_request(request: Request) -> SamplingRequest:
-        params = request.sampling_params
-        banned: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
-            eos = () if params.ignore_eos else tuple(request.eos_token_ids)
-            banned = eos + params.stop_token_ids
-        return SamplingRequest(request.request_id, params, banned)
-
-    def _prepare(self, items: list[WorkItem]):
+    def _prepare(self, scheduled: Sequence[ScheduledRequest]):
         """The flat batch: token ids, positions, the rows that sample, and attention metadata.
 
         The rows are ordered for attention: decodes first, longest context first (so that its length buckets
-        are runs of rows), then prefill chunks. `sample_rows` stays in the order of `items` (the scheduler's),
-        so the sampler sees the requests in that order whatever the row order.
+        are runs of rows), then prefill chunks. `sample_rows` stays in the scheduler's order (one entry per
+        sampling target), so the sampler sees the requests in that order whatever the row order.
         """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         block_size = self.block_size
-        last_row: dict[int, int] = {}  # index in items -> its last row in the flat batch
-        for index in sorted(range(len(items)), key=lambda i: _row_order(items[i])):
-            item = items[index]
-            s, table = item.scheduled, item.block_table
+        last_row: dict[int, int] = {}  # index in scheduled -> its last row in the flat batch
+        for index in sorted(range(len(scheduled)), key=lambda i: _row_order(scheduled[i])):
+            s = scheduled[index]
             start, stop = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             row = len(input_ids)
             last_row[index] = row + s.num_new_tokens - 1
-            input_ids.extend(item.request.token_ids(start, stop))
+            input_ids.extend(s.token_ids)
             positions.extend(range(start, stop))
-            slots.extend(table.slot(p) for p in range(start, stop))
-            num_blocks = -(-stop // block_size)
+            blocks = s.block_ids
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, stop))
+            num_blocks = cdiv(stop, block_size)
             if s.is_decode:
-                decode_tables.append(table.block_ids[:num_blocks])
+                decode_tables.append(list(blocks[:num_blocks]))
                 decode_lens.append(stop)
             else:
-                block_ids = torch.tensor(table.block_ids[:num_blocks], device=self.device)
+                block_ids = torch.tensor(blocks[:num_blocks], device=self.device)
                 prefills.append(PrefillChunk(row, row + s.num_new_tokens, start, block_ids))
-        for index, item in enumerate(items):
-            if item.scheduled.samples:
-                sample_rows.extend([last_row[index]] * (1 + len(item.forks)))
+        sample_rows = [last_row[i] for i, s in enumerate(scheduled) for _ in s.sampling]
         device = self.device
         max_blocks = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]

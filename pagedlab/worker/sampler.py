@@ -15,16 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlab.core.sched_output import SamplingRequest
 from pagedlab.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class SamplingRequest:
-    """One row of the logits: whose it is, how to sample it, and what it may not yet end with."""
-
-    request_id: str
-    params: SamplingParams
-    banned_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while min_tokens is not reached
 
 
 @dataclass(frozen=True)
@@ -42,6 +34,17 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
 
+    def get_state(self) -> tuple:
+        """The generators' states, to undo the draws of a batch that is run again (`set_state`)."""
+        return self.generator.get_state(), {rid: g.get_state() for rid, g in self._request_generators.items()}
+
+    def set_state(self, state: tuple) -> None:
+        shared, per_request = state
+        self.generator.set_state(shared)
+        self._request_generators = {rid: g for rid, g in self._request_generators.items() if rid in per_request}
+        for rid, generator in self._request_generators.items():
+            generator.set_state(per_request[rid])
+
     def _generator(self, row: SamplingRequest) -> torch.Generator:
         if row.params.seed is None:
             return self.generator
@@ -54,9 +57,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
         """logits: [num_rows, vocab_size], one row per entry of `rows`."""
         logits = logits.float()
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = -float("inf")
+        asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw = torch.log_softmax(logits[asked], dim=-1) if asked else None  # the model's own, before any ban
+        banned = [i for i, row in enumerate(rows) if row.banned_token_ids]
+        if banned:
+            for i in banned:
+                logits[i, list(rows[i].banned_token_ids)] = -float("inf")
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
@@ -68,9 +74,7 @@ class Sampler:
             token_ids[index] = (probs / noise).argmax(dim=-1)
         token_list = token_ids.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
-        asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if asked:
-            raw = torch.log_softmax(logits[asked], dim=-1)
             for j, i in enumerate(asked):
                 top = raw[j].topk(rows[i].params.logprobs) if rows[i].params.logprobs else None
                 entry = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}

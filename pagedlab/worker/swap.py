@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedlab.core.preemption import PreemptionCostModel
+from pagedlab.core.sched_output import ScheduledRequest
 from pagedlab.worker.kv_cache import KVCacheSpec
 
 
@@ -59,24 +60,25 @@ def _best_time(fn, repeats: int = 3) -> float:
 
 
 def measure_cost_model(
-    model, kv_cache: torch.Tensor, cpu_cache: CPUKVCache, spec: KVCacheSpec, block_size: int, num_tokens: int = 128
+    runner, cpu_cache: CPUKVCache, spec: KVCacheSpec, block_size: int, num_tokens: int = 128
 ) -> PreemptionCostModel:
-    """Time a batched swap of up to 16 blocks each way and a `num_tokens`-token prefill of the model."""
-    num_blocks = max(1, min(16, kv_cache.shape[2] - 1, cpu_cache.cache.shape[2]))
-    pairs = [(1 + i % (kv_cache.shape[2] - 1) if kv_cache.shape[2] > 1 else 0, i) for i in range(num_blocks)]
+    """Time a batched swap-out of up to 16 blocks, and a prefill of up to `num_tokens` tokens through the
+    runner's own paged forward pass (what a recomputation runs), on blocks no request holds yet."""
+    kv_cache = runner.kv_cache
+    num_device_blocks = kv_cache.shape[2]
+    num_blocks = max(1, min(16, num_device_blocks - 1, cpu_cache.cache.shape[2]))
+    pairs = [(1 + i % (num_device_blocks - 1) if num_device_blocks > 1 else 0, i) for i in range(num_blocks)]
     saved = cpu_cache.cache[:, :, :num_blocks].clone()
     seconds = _best_time(lambda: cpu_cache.swap_out(kv_cache, pairs))
     cpu_cache.cache[:, :, :num_blocks] = saved
     bytes_moved = num_blocks * spec.bytes_per_block(block_size)
-    device = kv_cache.device
-    vocab = model.get_input_embeddings().num_embeddings
-    input_ids = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0)).to(device)
 
-    def prefill():
-        with torch.inference_mode():
-            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-
-    prefill_seconds = _best_time(prefill, repeats=2)
+    num_tokens = max(1, min(num_tokens, (num_device_blocks - 1) * block_size))
+    vocab = runner.model.get_input_embeddings().num_embeddings
+    token_ids = torch.randint(0, vocab, (num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    block_ids = tuple(range(1, 1 + -(-num_tokens // block_size))) if num_device_blocks > 1 else (0,)
+    prefill = ScheduledRequest("cost-model", 0, num_tokens, "cost-model", tuple(token_ids), block_ids)
+    prefill_seconds = _best_time(lambda: runner.execute([prefill]), repeats=2)
     return PreemptionCostModel(
         bytes_per_block=spec.bytes_per_block(block_size),
         block_size=block_size,

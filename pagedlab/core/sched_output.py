@@ -1,0 +1,119 @@
+"""The data of one step, as it flows one way: scheduler -> worker -> scheduler update -> output processor -> trace.
+
+`SchedulerOutput` is everything the worker needs to run the step (which tokens of which sequences, through
+which block tables, sampled how) and everything the trace records of the decision (blocks allocated, copied,
+swapped, freed and evicted; who was preempted, forked or failed). `UpdateOutput` is what the scheduler did with
+the step's results. All of it is frozen, and none of it holds a live object of the core.
+
+# Explained in chapters/09_the_whole_engine.ipynb
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedlab.sampling_params import SamplingParams
+
+Move = tuple[str, tuple[tuple[int, int], ...]]  # (request_id, ((source block, target block), ...))
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One token to draw from a row of logits: for whom, how, and what it may not yet end with. A beam
+    sequence (`is_beam`) gets its next-token log-probabilities instead, for the beam step to choose from."""
+
+    request_id: str
+    params: SamplingParams
+    banned_token_ids: tuple[int, ...] = ()  # EOS and stop token ids while min_tokens is not reached
+    is_beam: bool = False
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One sequence's share of a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+    whose ids are `token_ids`, through the block table `block_ids`; then, if the step reaches its newest token,
+    draw from its last row for each of `sampling` (itself, and the samples forked from it this step)."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    group_id: str = ""  # the user's request (for the error of a request whose processing raises)
+    token_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()
+    sampling: tuple[SamplingRequest, ...] = ()
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's newest token, so a token is drawn (or beam log-probabilities)."""
+        return bool(self.sampling)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token: attention reads all of it from the cache (a decode, or a one-token chunk)."""
+        return self.num_new_tokens == 1
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    allocated: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (request_id, blocks added to its table)
+    preempted: tuple[str, ...] = ()  # victims in order (a partial victim may appear more than once)
+    copies: tuple[tuple[str, int, int], ...] = ()  # copy-on-write: (request_id, source block, its copy)
+    swapped_out: tuple[Move, ...] = ()  # ((device block, cpu block), ...) per request, copied before the step
+    swapped_in: tuple[Move, ...] = ()  # ((cpu block, device block), ...) per request, copied before the step
+    truncated: tuple[tuple[str, int], ...] = ()  # partial preemptions: (request_id, computed tokens it keeps)
+    forked: tuple[tuple[str, str], ...] = ()  # (parent, child): samples forked as the prompt's last chunk runs
+    restarted: tuple[tuple[str, str], ...] = ()  # (group_id, first beam): recomputed beam groups start again
+    failed: tuple[tuple[str, str], ...] = ()  # (group_id, why): groups that can never fit, finished with an error
+    finished: tuple[tuple[str, str], ...] = ()  # (request_id, finish_reason): the failed groups' sequences
+    freed: tuple[int, ...] = ()  # blocks that became free while scheduling
+    evicted: tuple[int, ...] = ()  # cached blocks handed out again (their hash is gone)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class BeamDecision:
+    """One beam step of one group (made by `pagedlab.beam_search`): the next beams in rank order, each the
+    parent it extends and its token (a parent chosen again is forked), and the beams nobody continues."""
+
+    group_id: str
+    continuations: tuple[tuple[str, int], ...]
+    pruned: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What happened to one sequence in a step's update."""
+
+    request_id: str
+    group_id: str
+    new_token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id that ended it
+
+
+@dataclass(frozen=True)
+class UpdateOutput:
+    """The scheduler's update after the model ran: tokens appended, forks, finishes, and blocks freed."""
+
+    sequences: tuple[SequenceUpdate, ...]
+    forked: tuple[tuple[str, str], ...] = ()  # (parent, child): beams forked by the beam step
+    beam_ids: tuple[tuple[str, tuple[str, ...]], ...] = ()  # per beam decision: the sequence of each continuation
+    failed: tuple[tuple[str, str], ...] = ()  # (group_id, why): groups whose processing raised
+    freed: tuple[int, ...] = ()
+
+    @property
+    def appended(self) -> tuple[tuple[str, int], ...]:
+        return tuple((u.request_id, t) for u in self.sequences for t in u.new_token_ids)
+
+    @property
+    def finished(self) -> tuple[tuple[str, str], ...]:
+        return tuple((u.request_id, u.finish_reason) for u in self.sequences if u.finish_reason is not None)

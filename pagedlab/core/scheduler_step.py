@@ -1,0 +1,109 @@
+"""What one call of `Scheduler.schedule()` decides, gathered as it goes and frozen into a `SchedulerOutput`.
+
+Admitting a sequence into the step takes its tokens out of the budget and records its blocks; when the step
+reaches the end of an n > 1 request's prompt, its other n - 1 samples are forked here, sharing its blocks,
+and each draws its first token from the prompt's last row of logits.
+
+# Explained in chapters/05_continuous_batching.ipynb
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from pagedlab.core.kv_cache_manager import Allocation
+from pagedlab.core.preemption import Preemption
+from pagedlab.core.request import Request
+from pagedlab.core.sched_output import Move, SamplingRequest, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedlab.core.scheduler import Scheduler
+
+
+def sampling_request(request: Request) -> SamplingRequest:
+    """How to draw the sequence's next token: EOS and stop token ids are banned until min_tokens is reached."""
+    params = request.sampling_params
+    banned: tuple[int, ...] = ()
+    if request.num_output_tokens < params.min_tokens:
+        eos = () if params.ignore_eos else tuple(sorted(request.eos_token_ids))
+        banned = eos + params.stop_token_ids
+    return SamplingRequest(request.request_id, params, banned, request.is_beam)
+
+
+class StepBuilder:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.budget = scheduler.config.max_num_batched_tokens
+        self.stalled = False  # with partial preemption, the newest request waits (keeping its blocks)
+        self.scheduled: list[ScheduledRequest] = []
+        self.allocated: list[tuple[str, tuple[int, ...]]] = []
+        self.copies: list[tuple[str, int, int]] = []
+        self.preempted: list[str] = []
+        self.swapped_out: list[Move] = []
+        self.swapped_in: list[Move] = []
+        self.truncated: list[tuple[str, int]] = []
+        self.forked: list[tuple[str, str]] = []
+        self.restarted: list[tuple[str, str]] = []
+        self.failed: list[tuple[str, str]] = []
+        self.finished: list[tuple[str, str]] = []
+        self.freed: list[int] = []
+        self.evicted: list[int] = []
+
+    def admit(self, request: Request, num_new_tokens: int, allocation: Allocation) -> None:
+        """Schedule `num_new_tokens` of the sequence, whose table `allocation` has just grown."""
+        self.budget -= num_new_tokens
+        start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+        sampling = ()
+        if stop == request.num_tokens:
+            targets = [request, *self._fork_samples(request)] if request.needs_fork else [request]
+            sampling = tuple(sampling_request(r) for r in targets)
+        table = self.scheduler.kv.block_tables[request.request_id]
+        self.scheduled.append(ScheduledRequest(
+            request.request_id, start, num_new_tokens, request.group_id, tuple(request.token_ids(start, stop)),
+            tuple(table.block_ids), sampling,
+        ))  # fmt: skip
+        if allocation.new_block_ids:
+            self.allocated.append((request.request_id, allocation.new_block_ids))
+        if allocation.copy is not None:
+            self.copies.append((request.request_id, *allocation.copy))
+        self.evicted += allocation.evicted
+
+    def _fork_samples(self, first: Request) -> list[Request]:
+        """The other n - 1 samples of a request: running, sharing all its blocks; sample i draws with seed + i
+        when a seed was given, so it equals a separate request with that seed."""
+        scheduler, params = self.scheduler, first.sampling_params
+        children = []
+        for i in range(1, params.n):
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child = first.fork(scheduler.unique_id(f"{first.group_id}:{i}"), i, child_params)
+            scheduler.add_fork(first, child)
+            self.forked.append((first.request_id, child.request_id))
+            children.append(child)
+        first.forked = True
+        return children
+
+    def record(self, preemption: Preemption) -> None:
+        self.preempted += preemption.request_ids
+        self.swapped_out += preemption.swapped_out
+        self.freed += preemption.freed
+        if preemption.is_partial:
+            self.truncated.append((preemption.request_ids[0], preemption.kept_tokens))
+
+    def build(self, step: int) -> SchedulerOutput:
+        return SchedulerOutput(
+            step=step,
+            scheduled=tuple(self.scheduled),
+            allocated=tuple(self.allocated),
+            preempted=tuple(self.preempted),
+            copies=tuple(self.copies),
+            swapped_out=tuple(self.swapped_out),
+            swapped_in=tuple(self.swapped_in),
+            truncated=tuple(self.truncated),
+            forked=tuple(self.forked),
+            restarted=tuple(self.restarted),
+            failed=tuple(self.failed),
+            finished=tuple(self.finished),
+            freed=tuple(self.freed),
+            evicted=tuple(self.evicted),
+        )

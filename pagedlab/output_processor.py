@@ -1,0 +1,179 @@
+"""The frontend of each request: its text, stop strings, logprobs and output kind, and the n samples it gathers.
+
+The core sees token ids only. For every user request, `OutputProcessor` keeps a `RequestState` (vLLM's name)
+holding what the user sees: one `SequenceState` per sample, each with its tokens, its incremental detokenizer
+and its logprobs. Each step it takes the scheduler's `UpdateOutput` (tokens appended, sequences finished),
+detokenizes, checks stop strings, and returns the `RequestOutput`s of the requests that changed, as their
+output kind asks: everything so far (CUMULATIVE), only what is new (DELTA), or once at the end (FINAL_ONLY).
+Sequences that hit a stop string are returned too: the engine tells the scheduler to finish them.
+
+# Explained in chapters/09_the_whole_engine.ipynb
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedlab.core.sched_output import UpdateOutput
+from pagedlab.detokenizer import IncrementalDetokenizer
+from pagedlab.outputs import CompletionOutput, RequestOutput
+from pagedlab.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class SequenceState:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # for DELTA outputs: what was already returned
+    num_sent_chars: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+
+@dataclass
+class RequestState:
+    """One user request: its prompt, its settings, and a `SequenceState` per sample (n of them once forked)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int
+    sequences: dict[str, SequenceState] = field(default_factory=dict)  # core request id -> its state
+
+    @property
+    def finished(self) -> bool:
+        """All n samples have finished (they fork as the prompt's last chunk is scheduled)."""
+        done = [s.finish_reason is not None for s in self.sequences.values()]
+        return len(done) == self.params.n and all(done)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}  # unfinished user requests, by the user's id
+        self._group_of: dict[str, str] = {}  # sequence id -> its request's id
+
+    def add_request(self, state: RequestState, first_sequence_id: str) -> None:
+        self.requests[state.request_id] = state
+        self._add_sequence(state, first_sequence_id)
+
+    def _add_sequence(self, state: RequestState, sequence_id: str, parent: SequenceState | None = None) -> None:
+        params, detokenizer = state.params, None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, state.prompt_token_ids, params.skip_special_tokens, params.stop, params.min_tokens
+            )
+        sequence = SequenceState(len(state.sequences), detokenizer)
+        if parent is not None and parent.token_ids:
+            sequence.token_ids, sequence.logprobs = list(parent.token_ids), list(parent.logprobs)
+            if detokenizer is not None:
+                detokenizer.update(parent.token_ids)
+        state.sequences[sequence_id] = sequence
+        self._group_of[sequence_id] = state.request_id
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A sample forked from `parent_id` (beams, which output only at the end, are not followed here)."""
+        state = self.requests.get(self._group_of.get(parent_id, ""))
+        if state is not None:
+            self._add_sequence(state, child_id, state.sequences[parent_id])
+
+    def _forget(self, state: RequestState) -> None:
+        del self.requests[state.request_id]
+        for sequence_id in state.sequences:
+            self._group_of.pop(sequence_id, None)
+
+    def process(
+        self, update: UpdateOutput, logprobs: dict[str, dict[int, float]]
+    ) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
+        """Apply one step's update. Returns the outputs of the requests that changed (in arrival order), the
+        sequences a stop string finished, and the requests whose processing raised, with the error."""
+        changed: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        failed: dict[str, str] = dict(update.failed)
+        for u in update.sequences:
+            state = self.requests.get(u.group_id)
+            if state is None or u.group_id in failed or u.request_id not in state.sequences:
+                continue
+            sequence = state.sequences[u.request_id]
+            try:
+                if self._apply(sequence, u.new_token_ids, u.finish_reason, u.stop_reason, logprobs.get(u.request_id)):
+                    stopped.append(u.request_id)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                failed[u.group_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            changed[u.group_id] = state
+        outputs = []
+        for group_id, message in failed.items():
+            state = self.requests.get(group_id)
+            if state is not None:
+                outputs.append(self.finish_with_error(state, message))
+        for state in sorted(changed.values(), key=lambda s: s.arrival_index):
+            if state.request_id in failed:
+                continue
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+        return outputs, stopped, {g: m for g, m in failed.items() if g not in update.failed}
+
+    @staticmethod
+    def _apply(sequence: SequenceState, new_token_ids, finish_reason, stop_reason, logprobs) -> bool:
+        """Add the step's tokens to one sequence; True if a stop string finished it."""
+        if finish_reason == "pruned":
+            return False
+        sequence.token_ids += new_token_ids
+        if logprobs is not None:
+            sequence.logprobs.append(logprobs)
+        hit = None
+        if sequence.detokenizer is not None:
+            hit = sequence.detokenizer.update(new_token_ids, finished=finish_reason is not None)
+        if hit is not None:
+            sequence.finish_reason, sequence.stop_reason = "stop", hit
+            return finish_reason is None  # still running in the core: the engine finishes it
+        if finish_reason is not None:
+            sequence.finish_reason, sequence.stop_reason = finish_reason, stop_reason
+        return False
+
+    def finish_with_error(self, state: RequestState, message: str) -> RequestOutput:
+        self._forget(state)
+        completions = [
+            CompletionOutput(s.index, s.text, list(s.token_ids), "error", error=message)
+            for s in state.sequences.values()
+        ]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True)
+
+    def abort(self, request_id: str) -> bool:
+        state = self.requests.get(request_id)
+        if state is not None:
+            self._forget(state)
+        return state is not None
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        finished = state.finished
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if finished:
+            self._forget(state)
+        completions = [self._completion(s, state.params) for s in state.sequences.values()]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished)
+
+    @staticmethod
+    def _completion(sequence: SequenceState, params: SamplingParams) -> CompletionOutput:
+        finished = sequence.finish_reason is not None
+        text = sequence.detokenizer.streamable_text(finished) if sequence.detokenizer is not None else ""
+        token_ids = list(sequence.token_ids)
+        logprobs = list(sequence.logprobs) if params.logprobs is not None else None
+        kind = params.output_kind
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids = text[sequence.num_sent_chars :], token_ids[sequence.num_sent_tokens :]
+            logprobs = logprobs[sequence.num_sent_tokens :] if logprobs is not None else None
+            sequence.num_sent_chars += len(text)
+            sequence.num_sent_tokens += len(token_ids)
+        return CompletionOutput(sequence.index, text, token_ids, sequence.finish_reason, sequence.stop_reason, logprobs)

@@ -1,0 +1,163 @@
+"""The device side of the engine: the KV cache's size and tensors, the attention backend, CUDA graphs, the CPU
+swap cache and the preemption cost model, and running each step's `SchedulerOutput`.
+
+A step runs in two parts: the block moves the scheduler decided (swap-outs, clearing new blocks, swap-ins,
+copy-on-write copies, in an order that never reads overwritten data), then one forward pass and sampling. If the
+forward pass or sampling raises, each request is run alone (rewriting the same KV is harmless, and the sampler's
+generators are rewound first), so that only the requests whose processing fails are reported.
+
+# Explained in chapters/09_the_whole_engine.ipynb
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedlab.config import EngineConfig
+from pagedlab.core.preemption import PreemptionMode
+from pagedlab.core.sched_output import SchedulerOutput
+from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.model_runner import ModelRunner, RunnerOutput
+from pagedlab.worker.swap import CPUKVCache, measure_cost_model
+
+logger = logging.getLogger("pagedlab")
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput(RunnerOutput):
+    errors: dict[str, str] = field(default_factory=dict)  # group_id -> what its processing raised
+
+
+class Worker:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.spec = KVCacheSpec.from_model_config(model.config, self.dtype)
+        self.num_blocks, max_model_len = self._size_kv_cache(model.config, config)
+        self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
+        self.bytes_per_block = self.spec.bytes_per_block(config.block_size)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.model_runner = ModelRunner(
+            model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend
+        )
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+            self.model_runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+        self.num_cpu_blocks, self.cpu_kv_cache, self.cost_model = 0, None, None
+        mode = PreemptionMode(config.preemption_mode)
+        if mode != PreemptionMode.RECOMPUTE:
+            self.num_cpu_blocks = config.num_cpu_blocks
+            if self.num_cpu_blocks is None:  # swap_space GiB, but never more blocks than the device pool has
+                self.num_cpu_blocks = min(int(config.swap_space * 2**30) // self.bytes_per_block, self.num_blocks)
+            self.cpu_kv_cache = CPUKVCache(self.spec, max(self.num_cpu_blocks, 1), config.block_size, self.device)
+            if mode == PreemptionMode.AUTO:
+                self.cost_model = measure_cost_model(self.model_runner, self.cpu_kv_cache, self.spec, config.block_size)
+                logger.info("%s", self.cost_model.explain())
+
+    def _size_kv_cache(self, model_config, config: EngineConfig) -> tuple[int, int]:
+        """The number of KV blocks and the resolved max_model_len (the model's limit, capped by the cache)."""
+        model_max_len = getattr(model_config, "max_position_embeddings", None) or 1 << 30
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} positions"
+            )
+        wanted_len = config.max_model_len or model_max_len
+        num_blocks = num_blocks_for_budget(
+            self.spec, config.block_size, self.device, num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
+            max_useful_tokens=config.max_num_seqs * wanted_len,
+        )  # fmt: skip
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} can never fit: the KV cache holds {num_blocks} blocks "
+                f"x {config.block_size} = {capacity} tokens; raise the KV budget or lower max_model_len"
+            )
+        max_model_len = min(wanted_len, capacity)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s); max_model_len %d", num_blocks,
+            config.block_size, capacity, num_blocks * self.spec.bytes_per_block(config.block_size) / 2**20,
+            self.device, str(self.dtype).removeprefix("torch."), max_model_len,
+        )  # fmt: skip
+        return num_blocks, max_model_len
+
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's block moves, then compute it (see the module docstring for failures)."""
+        self._move_blocks(output)
+        if output.is_empty:
+            return ModelRunnerOutput({}, {}, {})
+        runner, sampler = self.model_runner, self.model_runner.sampler
+        state = sampler.get_state()
+        try:
+            result = runner.execute(output.scheduled)
+            return ModelRunnerOutput(result.sampled, result.logprobs, result.beam_logprobs)
+        except Exception as exc:  # noqa: BLE001
+            if len({s.group_id for s in output.scheduled}) == 1:
+                return ModelRunnerOutput({}, {}, {}, {output.scheduled[0].group_id: _message(exc)})
+        sampler.set_state(state)  # undo the draws of the failed batch: each request draws once
+        merged, errors = ModelRunnerOutput({}, {}, {}), {}
+        for scheduled in output.scheduled:
+            if scheduled.group_id in errors:
+                continue  # failed already, with a sibling
+            try:
+                one = runner.execute([scheduled])
+            except Exception as exc:  # noqa: BLE001
+                errors[scheduled.group_id] = _message(exc)
+                continue
+            merged.sampled.update(one.sampled)
+            merged.logprobs.update(one.logprobs)
+            merged.beam_logprobs.update(one.beam_logprobs)
+        alive = {s.request_id for s in output.scheduled if s.group_id not in errors}
+        alive |= {t.request_id for s in output.scheduled if s.group_id not in errors for t in s.sampling}
+        return ModelRunnerOutput(
+            {r: v for r, v in merged.sampled.items() if r in alive},
+            {r: v for r, v in merged.logprobs.items() if r in alive},
+            {r: v for r, v in merged.beam_logprobs.items() if r in alive},
+            errors,
+        )
+
+    def _move_blocks(self, output: SchedulerOutput) -> None:
+        """Apply the step's block moves to the KV tensors, in an order that never reads overwritten data:
+        swap-outs first (their blocks may be handed out again this step), then clear newly allocated blocks,
+        swap-ins, and copy-on-write copies (whose source may have just been swapped in; it is held until the
+        copy is made, so it is never a new block of this step)."""
+        runner = self.model_runner
+        if output.swapped_out:
+            self.cpu_kv_cache.swap_out(runner.kv_cache, [p for _, pairs in output.swapped_out for p in pairs])
+        runner.zero_blocks([b for _, blocks in output.allocated for b in blocks])
+        if output.swapped_in:
+            self.cpu_kv_cache.swap_in(runner.kv_cache, [p for _, pairs in output.swapped_in for p in pairs])
+        runner.copy_blocks([(source, copy) for _, source, copy in output.copies])
+
+    def forget(self, request_ids) -> None:
+        """Finished sequences: drop their sampling state."""
+        for request_id in request_ids:
+            self.model_runner.sampler.forget(request_id)
+
+
+def _message(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """Resolve "auto", and check that "triton" can run here."""
+    from pagedlab.kernels import HAS_TRITON
+
+    if name == "auto":
+        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    if name == "triton":
+        if not HAS_TRITON:
+            raise ValueError("attention_backend='triton' needs the triton package (Linux only); use 'torch'")
+        if device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    "attention_backend='triton' on CPU runs the kernels in Triton's interpreter, which must be "
+                    "switched on before triton is first imported: start Python with TRITON_INTERPRET=1"
+                )
+            logger.warning("attention_backend='triton' on CPU: the kernels run in Triton's interpreter (slow)")
+    return name
