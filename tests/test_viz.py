@@ -8,8 +8,9 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-from pagedlab.core.sched_output import ScheduledRequest
+from pagedlab.core.sched_output import SamplingRequest, ScheduledRequest
 from pagedlab.core.trace import BlockTableSnapshot, StepRecord, Trace
+from pagedlab.sampling_params import SamplingParams
 from pagedlab.viz import (
     animate,
     describe_step,
@@ -30,6 +31,12 @@ from pagedlab.viz.timeline import states
 T = BlockTableSnapshot
 
 
+def work(request_id, num_computed_tokens, num_new_tokens, samples=True) -> ScheduledRequest:
+    """A sequence's share of a step; `samples`: the step reaches its newest token and draws one."""
+    sampling = (SamplingRequest(request_id, SamplingParams()),) if samples else ()
+    return ScheduledRequest(request_id, num_computed_tokens, num_new_tokens, request_id, sampling=sampling)
+
+
 def record(step, *, tables=(), waiting=(), running=(), scheduled=(), free, **events) -> StepRecord:
     base = dict(allocated=(), freed=(), preempted=(), appended=(), finished=())
     base.update(events)
@@ -43,7 +50,7 @@ def hand_trace() -> Trace:
 
         step 2:  a [5, 2] 7 tokens   b [0] 3 tokens   b:1 [0] 3 tokens (block 0 shared, x2)
     """
-    s = ScheduledRequest
+    s = work
     return Trace(8, 4, steps=[
         record(1, tables=[T("a", (5, 2), 6), T("b", (0,), 3)], waiting=["c"], running=["a", "b"],
                scheduled=[s("a", 0, 6, True), s("b", 0, 3, True)], allocated=(("a", (5, 2)), ("b", (0,))),
@@ -225,7 +232,7 @@ def test_describe_step_in_words():
 
 
 def test_partial_preemption_in_words():
-    s = ScheduledRequest
+    s = work
     before = record(1, tables=[T("a", (5,), 3), T("b", (0, 1, 2), 12)], running=["a", "b"],
                     scheduled=[s("a", 0, 3, True), s("b", 0, 12, True)], free=5)  # fmt: skip
     after = record(2, tables=[T("a", (5, 2), 5), T("b", (0, 1), 8)], running=["a", "b"], preempted=("b",),
@@ -292,7 +299,7 @@ def test_static_strip_shows_each_step_with_its_block_tables_and_events():
 
 def test_static_strip_wraps_onto_rows_that_fit_a_notebook_with_readable_text():
     # 10 steps of a 32-block pool, three sequences with 11-block tables: too wide for one row.
-    s = ScheduledRequest
+    s = work
     steps = []
     for k in range(10):
         tables = [T(f"0:b{i}", tuple(range(i * 10, i * 10 + 10)) + (30 + i % 2,), 41 + k % 4) for i in range(3)]
@@ -330,7 +337,7 @@ def test_table_columns_keep_head_and_tail():
 def test_a_pruned_beam_reads_as_pruned_everywhere():
     trace = hand_trace()
     pruned = record(4, tables=[T("b", (0,), 5)], running=["b"], waiting=["a", "c"], free=7,
-                    finished=(("b:1", "pruned"),), freed=(4,), scheduled=[ScheduledRequest("b", 4, 1, True)],
+                    finished=(("b:1", "pruned"),), freed=(4,), scheduled=[work("b", 4, 1)],
                     appended=(("b", 11),))  # fmt: skip
     trace.steps.append(pruned)
     text = describe_step(trace, 3)
