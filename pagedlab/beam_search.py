@@ -189,8 +189,11 @@ class BeamSearch:
         group.restart(root_id)
         self._group_of[root_id] = group_id
 
-    def step(self, beam_logprobs: dict[str, torch.Tensor]) -> list[BeamDecision]:
-        """Give each group its new log-probabilities; a beam step for every group that has them all."""
+    def step(self, beam_logprobs: dict[str, torch.Tensor], restarted=()) -> list[BeamDecision]:
+        """Give each group its new log-probabilities; a beam step for every group that has them all. `restarted`
+        (group, first beam) pairs are beam searches that a recompute preemption sent back to their prompt."""
+        for group_id, root_id in restarted:
+            self.restart(group_id, root_id)
         ready: dict[str, BeamGroup] = {}
         for beam, logprobs in beam_logprobs.items():
             group = self.groups.get(self._group_of.get(beam, ""))

@@ -10,7 +10,6 @@ the step. The engine only wires them together.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -26,7 +25,7 @@ from pagedlab.inputs import InputProcessor, PromptType
 from pagedlab.models import eos_token_ids, load_model
 from pagedlab.output_processor import OutputProcessor, RequestState
 from pagedlab.outputs import CompletionOutput, EngineStats, RequestOutput
-from pagedlab.sampling_params import RequestOutputKind, SamplingParams
+from pagedlab.sampling_params import SamplingParams
 from pagedlab.worker.worker import Worker
 
 logger = logging.getLogger("pagedlab")
@@ -148,39 +147,28 @@ class LLMEngine:
         start = time.perf_counter()
         # 1. Schedule: who runs, how many tokens each, and which blocks they get, give up or copy.
         scheduled = self.scheduler.schedule()
-        self._check_progress(scheduled)
         # 2. Run: the block moves, one forward pass over the whole batch, sampling.
         ran = self.worker.execute_model(scheduled)
-        # 3. Beam search: every beam group whose beams all have log-probabilities takes a beam step.
-        for group_id, root_id in scheduled.restarted:
-            self.beam_search.restart(group_id, root_id)
-        beam_decisions = self.beam_search.step(ran.beam_logprobs)
+        # 3. Beam search: every beam group whose beams all have their log-probabilities takes a beam step.
+        beam_decisions = self.beam_search.step(ran.beam_logprobs, restarted=scheduled.restarted)
         # 4. Update: append the sampled tokens, fork and prune beams, finish what stopped.
         update = self.scheduler.update_from_output(scheduled, ran.sampled, beam_decisions, ran.errors)
-        # 5. Outputs: text and stop strings, one RequestOutput per request that changed.
-        for parent, child in scheduled.forked + update.forked:
-            self.output_processor.fork(parent, child)
-        outputs, stopped, failed = self.output_processor.process(update, ran.logprobs)
-        done_beams = self.beam_search.commit(update.beam_ids)
-        # 6. Finish what the outputs stopped or failed, and record the step.
-        late, freed = self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        errored, error_freed = self.scheduler.finish_groups(failed, RequestStatus.FINISHED_ERROR)
-        failed = {**dict(scheduled.failed), **dict(update.failed), **failed}
-        outputs = [self._error_output(g, why) for g, why in failed.items()] + outputs
-        outputs += [beam_output(group, self._decode) for group in done_beams]
-        self._count(scheduled, update, outputs, late + errored)
-        if self.config.record_trace:
-            ended = tuple((r.request_id, r.status.finish_reason) for r in late + errored)
-            state = self.scheduler.snapshot()
-            duration = time.perf_counter() - start
-            self.trace.append(StepRecord.build(scheduled, update, state, ended, tuple(freed + error_freed), duration))
-        return [o for o in outputs if o is not None]
+        # 5. Outputs: text, stop strings and logprobs; what a stop string ended or an error failed is finished.
+        outputs, ended, freed = self._process_outputs(scheduled, update, ran.logprobs)
+        # 6. Record the step.
+        self._record(scheduled, update, outputs, ended, freed, time.perf_counter() - start)
+        return outputs
 
-    def _check_progress(self, scheduled) -> None:
-        """A step that computes nothing, preempts nothing and fails nothing while requests wait is a bug."""
-        if scheduled.is_empty and self.scheduler.has_unfinished_requests():
-            if not (scheduled.preempted or scheduled.swapped_in or scheduled.failed):
-                raise RuntimeError(f"the scheduler made no progress: {self.scheduler.requests}")
+    def _process_outputs(self, scheduled, update, logprobs) -> tuple[list[RequestOutput], list[Request], list[int]]:
+        for parent, child in scheduled.forked:
+            self.output_processor.fork(parent, child)
+        outputs, stopped, failed = self.output_processor.process(update, logprobs)
+        outputs += [beam_output(group, self._decode) for group in self.beam_search.commit(update.beam_ids)]
+        stops, freed = self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        errors, error_freed = self.scheduler.finish_groups(failed, RequestStatus.FINISHED_ERROR)
+        failed = {**dict(scheduled.failed), **dict(update.failed), **failed}
+        outputs = [self._error_output(group_id, why) for group_id, why in failed.items()] + outputs
+        return [o for o in outputs if o is not None], stops + errors, freed + error_freed
 
     def _error_output(self, group_id: str, why: str) -> RequestOutput | None:
         logger.error("request %r failed: %s", group_id, why)
@@ -194,14 +182,18 @@ class LLMEngine:
     def _decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _count(self, scheduled, update, outputs: list, finished_late: list) -> None:
-        finished = [u.request_id for u in update.sequences if u.finish_reason] + [r.request_id for r in finished_late]
-        self.worker.forget(finished)
+    def _record(self, scheduled, update, outputs, ended: list[Request], freed: list[int], duration: float) -> None:
+        """Count the step, let the worker forget finished sequences, and append a `StepRecord` to the trace."""
+        self.worker.forget([u.request_id for u in update.sequences if u.finish_reason] + [r.request_id for r in ended])
         totals = self._totals
         totals["peak_used_blocks"] = max(totals["peak_used_blocks"], self.kv_cache_manager.pool.num_used_blocks)
         totals["num_computed_tokens"] += scheduled.num_batched_tokens
         totals["num_generated_tokens"] += len(update.appended)
-        totals["num_finished"] += sum(1 for o in outputs if o is not None and o.finished)
+        totals["num_finished"] += sum(o.finished for o in outputs)
+        if self.config.record_trace:
+            ended_reasons = tuple((r.request_id, r.status.finish_reason) for r in ended)
+            snapshot = self.scheduler.snapshot()
+            self.trace.append(StepRecord.build(scheduled, update, snapshot, ended_reasons, tuple(freed), duration))
 
     # -- reporting ------------------------------------------------------------------------------------------
 
@@ -235,6 +227,3 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
-
-def with_output_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
-    return dataclasses.replace(params, output_kind=kind)

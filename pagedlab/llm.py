@@ -10,11 +10,13 @@ order of the prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 from pagedlab.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedlab.engine import LLMEngine, PromptType, with_output_kind
+from pagedlab.engine import LLMEngine
+from pagedlab.inputs import PromptType
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,7 +57,7 @@ class LLM:
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                params = with_output_kind(params, RequestOutputKind.FINAL_ONLY)
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 request_ids.append(engine.add_request(None, prompt, params))
         except Exception:
             engine.abort_request(request_ids)  # a bad prompt: none of this call's requests stay behind

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedlab.core.sched_output import UpdateOutput
+from pagedlab.core.sched_output import SequenceUpdate, UpdateOutput
 from pagedlab.detokenizer import IncrementalDetokenizer
 from pagedlab.outputs import CompletionOutput, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
@@ -103,7 +103,7 @@ class OutputProcessor:
                 continue
             sequence = state.sequences[u.request_id]
             try:
-                if self._apply(sequence, u.new_token_ids, u.finish_reason, u.stop_reason, logprobs.get(u.request_id)):
+                if self._apply(sequence, u, logprobs.get(u.request_id)):
                     stopped.append(u.request_id)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 failed[u.group_id] = f"{type(exc).__name__}: {exc}"
@@ -122,22 +122,19 @@ class OutputProcessor:
                 outputs.append(output)
         return outputs, stopped, {g: m for g, m in failed.items() if g not in update.failed}
 
-    @staticmethod
-    def _apply(sequence: SequenceState, new_token_ids, finish_reason, stop_reason, logprobs) -> bool:
+    def _apply(self, sequence: SequenceState, update: SequenceUpdate, logprobs: dict[int, float] | None) -> bool:
         """Add the step's tokens to one sequence; True if a stop string finished it."""
-        if finish_reason == "pruned":
-            return False
-        sequence.token_ids += new_token_ids
+        sequence.token_ids += update.new_token_ids
         if logprobs is not None:
             sequence.logprobs.append(logprobs)
         hit = None
         if sequence.detokenizer is not None:
-            hit = sequence.detokenizer.update(new_token_ids, finished=finish_reason is not None)
+            hit = sequence.detokenizer.update(update.new_token_ids, finished=update.finish_reason is not None)
         if hit is not None:
             sequence.finish_reason, sequence.stop_reason = "stop", hit
-            return finish_reason is None  # still running in the core: the engine finishes it
-        if finish_reason is not None:
-            sequence.finish_reason, sequence.stop_reason = finish_reason, stop_reason
+            return update.finish_reason is None  # still running in the core: the engine finishes it
+        if update.finish_reason is not None:
+            sequence.finish_reason, sequence.stop_reason = update.finish_reason, update.stop_reason
         return False
 
     def finish_with_error(self, state: RequestState, message: str) -> RequestOutput:

@@ -148,3 +148,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) - 32 for c in text]  # printable ASCII only
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that load the embedded SmolLM2 are slow (`make test-fast` leaves them out)."""
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -12,20 +12,15 @@ Settings are derandomized and database-free, so CI is reproducible.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedlab.core.block_hash import hash_block, root_hash
 from pagedlab.core.block_pool import BlockPool, NotEnoughBlocksError
 from pagedlab.core.kv_cache_manager import BlockTable, KVCacheManager, cdiv
-from pagedlab.core.request import Request, RequestStatus
-from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode
-from pagedlab.core.swap_space import SwapSpace
-from pagedlab.sampling_params import SamplingParams
 
 BLOCK_SIZES = (1, 2, 4, 16)
 EOS = 0

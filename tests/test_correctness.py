@@ -9,7 +9,6 @@ and smaller slips. The fuzzer over the whole public API is in test_interleavings
 from __future__ import annotations
 
 import gc
-import logging
 import tracemalloc
 
 import pytest

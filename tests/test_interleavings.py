@@ -10,6 +10,7 @@ memory. The model is the tiny random Llama with `ByteTokenizer`, so stop strings
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -19,6 +20,7 @@ from pagedlab.beam_search import BeamSearchParams
 from pagedlab.config import EngineConfig
 from tests.conftest import ByteTokenizer, tiny_model
 
+pytestmark = pytest.mark.slow  # a few minutes: `make test-fast` leaves it out
 MODEL = tiny_model("llama")
 TOKENIZER = ByteTokenizer()
 PREFIXES = ([5, 17, 33, 2, 9, 41, 7, 12], [60, 61, 62, 63, 64, 65], [90, 3])

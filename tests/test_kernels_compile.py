@@ -27,7 +27,10 @@ import triton.language as tl  # noqa: E402
 from pagedlab.kernels.aot import TARGETS, CompileReport, compile_for_target, pointer, problems  # noqa: E402
 from pagedlab.kernels.aot_grid import KERNELS, compile_grid, grid_cases, markdown_table  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")  # Triton 3.9's note on its default
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION"),  # Triton 3.9's note on its default
+    pytest.mark.slow,  # about two minutes with an empty Triton cache
+]
 README = Path(__file__).resolve().parents[1] / "README.md"
 JOBS = max(1, min(len(os.sched_getaffinity(0)), 8))
 

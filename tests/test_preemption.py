@@ -290,10 +290,10 @@ def test_failing_request_is_isolated(model, case, monkeypatch):
     runner = engine.model_runner
     execute = runner.execute
 
-    def flaky(items):
-        if any(item.request.request_id == "r3" and item.scheduled.num_computed_tokens >= 40 for item in items):
+    def flaky(scheduled):
+        if any(s.request_id == "r3" and s.num_computed_tokens >= 40 for s in scheduled):
             raise RuntimeError("sampling blew up")
-        return execute(items)
+        return execute(scheduled)
 
     monkeypatch.setattr(runner, "execute", flaky)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -315,14 +315,15 @@ def test_failing_request_is_isolated(model, case, monkeypatch):
 def test_failing_stop_check_is_isolated(model, case, monkeypatch):
     prompts, expected = case
     engine = engine_for(model, num_kv_blocks=256)
-    check = engine._hit_stop_string
+    processor = engine.output_processor
+    apply = processor._apply
 
-    def bad_stop(request):
-        if request.request_id == "r1":
+    def bad_stop(sequence, update, logprobs):
+        if update.request_id == "r1":
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-        return check(request)
+        return apply(sequence, update, logprobs)
 
-    monkeypatch.setattr(engine, "_hit_stop_string", bad_stop)
+    monkeypatch.setattr(processor, "_apply", bad_stop)
     outputs = {}
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, stop=["x"]))

@@ -92,3 +92,59 @@ def test_embedded_weights_are_converted_once(smollm2, monkeypatch):
     first = models.embedded_model_dir()
     monkeypatch.setattr(models, "embedded_gguf_dir", lambda: pytest.fail("converted again"))
     assert models.embedded_model_dir() == first and (first / "model.safetensors").exists()
+
+
+def test_test_fast_filters_markers_that_exist_and_are_used():
+    """`make test-fast` deselects markers: each must be declared (pytest --strict-markers) and put on tests."""
+    makefile = (ROOT / "Makefile").read_text()
+    expression = re.search(r'test-fast:.*?-m "([^"]+)"', makefile, re.S).group(1)
+    names = set(re.findall(r"\b(?!not\b|and\b|or\b)(\w+)", expression))
+    declared = {line.split(":")[0].strip().strip('"') for line in tomllib.loads(
+        (ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}  # fmt: skip
+    sources = "".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    for name in names:
+        assert name in declared, f"marker {name!r} is not declared in pyproject.toml"
+        assert f"mark.{name}" in sources, f"no test is marked {name!r}: test-fast filters nothing"
+
+
+def test_make_lab_starts_jupyterlab_on_the_chapters(tmp_path):
+    """The README's first command, as a user runs it (as root too, as in containers), with no browser."""
+    import json
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "pagedlab-test"
+    args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token} --ServerApp.port_retries=0"
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
+    process = subprocess.Popen(
+        ["make", "--no-print-directory", "lab", f"LAB_ARGS={args}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        listing = None
+        for _ in range(120):
+            time.sleep(0.5)
+            assert process.poll() is None, process.stdout.read().decode()[-2000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token={token}", timeout=5) as r:
+                    listing = json.load(r)
+                break
+            except OSError:
+                continue
+        assert listing is not None, "JupyterLab did not answer within a minute"
+        names = {item["name"] for item in listing["content"]}
+        chapters = {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
+        assert chapters and chapters <= names, f"the lab shows {sorted(names)}"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)

@@ -32,13 +32,14 @@ def paged_concurrency(
     """Run (prompt_len, output_len) requests through the real scheduler on num_slots // block_size blocks."""
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
-    from pagedlab.core.scheduler import Scheduler, SchedulerConfig
+    from pagedlab.config import EngineConfig
+    from pagedlab.core.scheduler import Scheduler
     from pagedlab.sampling_params import SamplingParams
 
     max_model_len = max_model_len or max(p + o for p, o in lengths)
     longest_prompt = max(p for p, _ in lengths)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             max_num_batched_tokens=max(max_num_batched_tokens, longest_prompt))  # fmt: skip
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, preemption_mode="recompute",
+                          max_num_batched_tokens=max(max_num_batched_tokens, longest_prompt))  # fmt: skip
     scheduler = Scheduler(config, KVCacheManager(num_slots // block_size, block_size))
     params = SamplingParams(temperature=0, ignore_eos=True)
     for i, (prompt_len, output_len) in enumerate(lengths):
@@ -54,7 +55,7 @@ def paged_concurrency(
         if steps > 100 * sum(p + o for p, o in lengths):
             raise RuntimeError("the paged simulation made no progress")
     peak = max(running, default=len(lengths))
-    return Concurrency(peak, sum(running) / len(running) if running else float(peak), steps, scheduler.num_preemptions)
+    return Concurrency(peak, sum(running) / len(running) if running else float(peak), steps, scheduler.stats.num_preemptions)
 
 
 def contiguous_concurrency(

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from pagedlab.bench import metrics
+from pagedlab.core.block_table import cdiv
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,16 @@ def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 12
     """Median seconds per step of schedule() + update_from_output() over `num_steps` decode steps."""
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
-    from pagedlab.core.scheduler import Scheduler, SchedulerConfig
+    from pagedlab.config import EngineConfig
+    from pagedlab.core.scheduler import Scheduler
     from pagedlab.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     max_model_len = prompt_len + output_len[1]
-    num_blocks = 2 * num_seqs * -(-max_model_len // block_size)  # ample: no preemption, the steady state
+    num_blocks = 2 * num_seqs * cdiv(max_model_len, block_size)  # ample: no preemption, the steady state
     kv = KVCacheManager(num_blocks, block_size)
-    config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * prompt_len),
-                             max_model_len=max_model_len)  # fmt: skip
+    config = EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * prompt_len),
+                          max_model_len=max_model_len, preemption_mode="recompute")  # fmt: skip
     scheduler = Scheduler(config, kv)
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     arrivals = 0
@@ -81,7 +83,7 @@ def real_step_time(model, tokenizer, num_seqs: int, prompt_len: int = 8, num_dec
     max_len = prompt_len + num_decode_steps + 2
     engine = LLMEngine(model, tokenizer, engine_config(
         max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, prompt_len), max_model_len=max_len,
-        num_kv_blocks=num_seqs * -(-max_len // 16) + 1, record_trace=False))  # fmt: skip
+        num_kv_blocks=num_seqs * cdiv(max_len, 16) + 1, record_trace=False))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=num_decode_steps + 2, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], params)

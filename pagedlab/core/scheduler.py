@@ -19,44 +19,21 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from pagedlab.config import EngineConfig
 from pagedlab.core.kv_cache_manager import KVCacheManager
-from pagedlab.core.preemption import Preemption, PreemptionCostModel, PreemptionMode, preempt_group, preempt_tail
+from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode, preempt_group, preempt_tail
 from pagedlab.core.request import Request, RequestStatus
 from pagedlab.core.sched_output import BeamDecision, SchedulerOutput, SequenceUpdate, UpdateOutput
+from pagedlab.core.scheduler_state import RUNNING, SchedulerState, runs_by_group
 from pagedlab.core.scheduler_step import StepBuilder
 from pagedlab.core.stats import SchedulerStats
 from pagedlab.core.swap_space import SwapSpace
-from pagedlab.core.trace import BlockTableSnapshot, SchedulerSnapshot
-
-RUNNING = RequestStatus.RUNNING
 
 
-def runs_by_group(requests: Iterable[Request]) -> list[list[Request]]:
-    """Consecutive requests of the same group, as lists (a queue sorted by `order` keeps groups together)."""
-    runs: list[list[Request]] = []
-    for request in requests:
-        if runs and runs[-1][0].group_id == request.group_id:
-            runs[-1].append(request)
-        else:
-            runs.append([request])
-    return runs
-
-
-class Scheduler:
-    """Waiting, running and swapped queues over one `KVCacheManager` (and its `SwapSpace`, if any).
-
-    Invariants:
-      - every unfinished sequence is in exactly one of `waiting`, `running` and `swapped`; finished ones in none;
-      - `running` and `swapped` are sorted by `order` (arrival, then place in the group), so a group's sequences
-        sit together; the running groups reserve at most max_num_seqs sequence slots;
-      - a running sequence holds a device block table covering at least its computed tokens; a swapped one a
-        CPU table of exactly its computed tokens; a waiting one holds none and has computed none;
-      - the block manager's and the swap space's own invariants hold.
-    """
+class Scheduler(SchedulerState):
+    """Decides each step over the queues of `SchedulerState` (which keeps the books and the invariants)."""
 
     def __init__(
         self,
@@ -72,72 +49,11 @@ class Scheduler:
             raise ValueError(f"preemption_mode={self.mode.value!r} needs a swap space")
         if self.mode == PreemptionMode.AUTO and cost_model is None:
             raise ValueError("preemption_mode='auto' needs a cost model")
+        super().__init__(kv_cache_manager, swap_space, config.max_num_seqs)
         self.config = config
-        self.kv = kv_cache_manager
-        self.swap_space = swap_space
         self.cost_model = cost_model
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.groups: dict[str, list[Request]] = {}  # group_id -> its unfinished sequences
         self.stats = SchedulerStats()
         self._rng = random.Random(config.seed)
-
-    # -- requests -------------------------------------------------------------------------------------------
-
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.group_id in self.groups:
-            raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        self.requests[request.request_id] = request
-        self.groups[request.group_id] = [request]
-        self.waiting.append(request)
-
-    def add_fork(self, parent: Request, child: Request) -> None:
-        """Run `child`, just forked from the running `parent`: it shares every block of the parent's table."""
-        assert parent.status == RUNNING and child.request_id not in self.requests
-        self.kv.fork(parent.request_id, child.request_id)
-        self.requests[child.request_id] = child
-        self.groups[child.group_id].append(child)
-        child.status = RUNNING
-        bisect.insort(self.running, child, key=Request.order.fget)
-
-    def unique_id(self, base: str) -> str:
-        """`base`, or `base#2`, `base#3`, ... : the first id no unfinished sequence holds."""
-        request_id, k = base, 1
-        while request_id in self.requests:
-            k += 1
-            request_id = f"{base}#{k}"
-        return request_id
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> tuple[list[Request], list[int]]:
-        """Finish sequences wherever they are (aborts, stop strings, errors). Unknown ids are skipped.
-        Returns the sequences finished and the device blocks that became free."""
-        finished, freed = [], []
-        for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
-            if request is None:
-                continue
-            queue = {RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(request.status, self.waiting)
-            queue.remove(request)
-            if request.status == RequestStatus.SWAPPED:
-                self.swap_space.free(request_id)
-            request.status = status
-            freed += self.kv.free(request_id)
-            members = self.groups[request.group_id]
-            members.remove(request)
-            if not members:
-                del self.groups[request.group_id]
-            finished.append(request)
-        return finished, freed
-
-    def finish_groups(self, group_ids: Iterable[str], status: RequestStatus) -> tuple[list[Request], list[int]]:
-        """Finish every sequence of each group (an abort of the user's request, or its failure)."""
-        ids = [r.request_id for group_id in group_ids for r in self.groups.get(group_id, ())]
-        return self.finish_requests(ids, status)
 
     # -- one step -------------------------------------------------------------------------------------------
 
@@ -159,16 +75,15 @@ class Scheduler:
                 break
 
         # 2. Swapped groups come back, oldest first, when their blocks fit with one block to spare for each
-        #    sequence's next token (or at all, when nothing else runs).
+        #    sequence's next token (or at all, when nothing else runs: then, if a group does not fit together, its
+        #    sequences come back one by one).
         while not (step.preempted or step.stalled) and self.swapped:
             group = runs_by_group(self.swapped)[0]
-            ids = [r.request_id for r in group]
-            spare = len(group) if self.running else 0
-            if self.num_running_seqs + self._seats(group) > self.config.max_num_seqs:
+            if not self._can_swap_in(group) and not self.running and len(group) > 1:
+                group = group[:1]
+            if not self._can_swap_in(group):
                 break
-            if not self.swap_space.can_swap_in(ids, spare):
-                break
-            step.swapped_in += self.swap_space.swap_in(ids)
+            step.swapped_in += self.swap_space.swap_in([r.request_id for r in group])
             for request in group:
                 self.swapped.remove(request)
                 request.status = RUNNING
@@ -182,8 +97,7 @@ class Scheduler:
         #    swapped out. With prefix caching a sequence starts from its longest cached prefix.
         while not (step.preempted or step.stalled or self.swapped) and self.waiting and step.budget > 0:
             request = self.waiting[0]
-            running = self.groups[request.group_id]
-            if self.num_running_seqs - self._seats(running) + self._seats(running, plus=request) > self.config.max_num_seqs:
+            if self.num_running_seqs + self.seats_to_run([request]) > self.config.max_num_seqs:
                 break
             hits = self.kv.get_computed_blocks(request.token_ids(0, request.num_tokens), request.cache_salt)
             request.num_computed_tokens = len(hits) * self.kv.block_size
@@ -201,7 +115,10 @@ class Scheduler:
             step.admit(request, num_new_tokens, allocation)
 
         self.stats.num_steps += 1
-        return step.build(self.stats.num_steps)
+        output = step.build(self.stats.num_steps)
+        if self.requests and not (output.scheduled or output.preempted or output.swapped_in or output.failed):
+            raise RuntimeError(f"the scheduler made no progress (a bug): {self.requests}")
+        return output
 
     def _schedule_group(self, group: list[Request], step: StepBuilder, may_preempt: bool) -> bool:
         """Give a running group's sequences their tokens, allocating their blocks together. When blocks are
@@ -245,6 +162,14 @@ class Scheduler:
                 step.finished += [(r.request_id, "error") for r in finished]
                 step.freed += freed
                 return False
+
+    def _can_swap_in(self, group: Sequence[Request]) -> bool:
+        """Room for the group in the sequence slots and in the device pool (with a block to spare for each
+        sequence's next token while others run)."""
+        if self.num_running_seqs + self.seats_to_run(group) > self.config.max_num_seqs:
+            return False
+        spare = len(group) if self.running else 0
+        return self.swap_space.can_swap_in([r.request_id for r in group], spare)
 
     def _too_big(self, group: Sequence[Request]) -> str:
         tokens = max(r.num_tokens for r in group) + 1
@@ -293,21 +218,6 @@ class Scheduler:
         step.record(preemption)
         self.stats.record(preemption)
         return True
-
-    # -- sequence slots -------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _seats(group: Sequence[Request], plus: Request | None = None) -> int:
-        """Sequence slots a group takes while its `group` sequences (and `plus`) run: its reservation (beam
-        width, or n before the samples fork) or its running sequences, whichever is more."""
-        running = [r for r in group if r.status == RUNNING]
-        if plus is not None:
-            running.append(plus)
-        return max([len(running)] + [r.num_seqs_reserved for r in running]) if running else 0
-
-    @property
-    def num_running_seqs(self) -> int:
-        return sum(self._seats(group) for group in runs_by_group(self.running))
 
     # -- after the model ran ---------------------------------------------------------------------------------
 
@@ -383,48 +293,3 @@ class Scheduler:
         updates += [SequenceUpdate(r.request_id, r.group_id, (), "pruned") for r in finished]
         return tuple(ids)
 
-    def snapshot(self) -> SchedulerSnapshot:
-        """The queues, the block tables of both pools and the free counts, frozen (what the trace keeps)."""
-        kv, swap = self.kv, self.swap_space
-
-        def tables(block_tables) -> tuple[BlockTableSnapshot, ...]:
-            return tuple(BlockTableSnapshot(rid, tuple(t.block_ids), t.num_tokens) for rid, t in block_tables.items())
-
-        return SchedulerSnapshot(
-            block_tables=tables(kv.block_tables),
-            waiting=tuple(r.request_id for r in self.waiting),
-            running=tuple(r.request_id for r in self.running),
-            swapped=tuple(r.request_id for r in self.swapped),
-            num_free_blocks=kv.num_free_blocks,
-            cached_blocks=tuple(sorted(kv.pool.hash_to_block.values())) if kv.enable_prefix_caching else (),
-            cpu_block_tables=tables(swap.block_tables) if swap else (),
-            num_free_cpu_blocks=swap.num_free_blocks if swap else 0,
-        )
-
-    # -- checks ---------------------------------------------------------------------------------------------
-
-    def check_invariants(self) -> None:
-        self.kv.check_invariants()
-        if self.swap_space is not None:
-            self.swap_space.check_invariants()
-        queues = [self.waiting, self.running, self.swapped]
-        ids = [r.request_id for queue in queues for r in queue]
-        assert len(ids) == len(set(ids)) and set(ids) == set(self.requests), "a sequence is lost, twice or finished"
-        assert {r.request_id for group in self.groups.values() for r in group} == set(self.requests)
-        assert all(r.group_id == group_id for group_id, group in self.groups.items() for r in group)
-        assert self.num_running_seqs <= self.config.max_num_seqs, "the running groups take too many slots"
-        for queue in (self.running, self.swapped):
-            orders = [r.order for r in queue]
-            assert orders == sorted(orders), "running or swapped is not in arrival order"
-        for request in self.swapped:
-            assert request.status == RequestStatus.SWAPPED
-            assert request.request_id not in self.kv.block_tables, f"swapped {request.request_id} holds device blocks"
-            assert self.swap_space.block_tables[request.request_id].num_tokens == request.num_computed_tokens
-        for request in self.running:
-            assert request.status == RUNNING
-            table = self.kv.block_tables.get(request.request_id)
-            assert table is not None and table.num_tokens >= request.num_computed_tokens
-        for request in self.waiting:
-            assert request.status == RequestStatus.WAITING
-            assert request.request_id not in self.kv.block_tables, f"waiting {request.request_id} holds blocks"
-            assert request.num_computed_tokens == 0

@@ -1,5 +1,5 @@
 """A step's events in words: what each sequence computed and where its KV went, forks, copies, preemptions,
-swaps, finishes (a beam that beam search drops is "pruned"), frees and evictions.
+swaps, finishes, frees and evictions.
 
     step 7: seq 2 wrote 1 token into block 12 (slot 3/4), sampled 'Paris'; seq 5 copy-on-write 3 -> 17; ...
 
@@ -103,8 +103,12 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
         events.append(f"seq {child} forked from {parent} (shares its {shared} blocks), sampled "
                       f"{_token(sampled[child], tokenizer) if child in sampled else 'nothing yet'}")  # fmt: skip
     for rid, reason in record.finished:
-        pruned = reason == "pruned"  # a beam that beam search dropped
-        events.append(f"seq {rid} pruned (beam search dropped it)" if pruned else f"seq {rid} finished ({reason})")
+        if reason == "pruned":
+            events.append(f"seq {rid} pruned (no beam continues it)")
+        else:
+            events.append(f"seq {rid} finished ({reason})")
+    for group, root in record.restarted:
+        events.append(f"beam search {group} starts again from its prompt as seq {root} (its beams were recomputed)")
     if record.freed:
         events.append(f"freed blocks {list(record.freed)}")
     if record.evicted:

@@ -1,8 +1,8 @@
 """One colour per sequence, the same in every picture of a trace, readable by colour-blind readers.
 
 Root requests take the Okabe-Ito colours in the order they first appear in the trace (a later lap round the
-seven colours is darker); a forked sequence ("3:1", a sample, or "3:b2", a beam) takes a shade of its root's
-colour, so a family reads as one hue. Free blocks are grey.
+seven colours is darker); a forked sequence (a sample or a beam, recorded in the trace's `forked` pairs) takes a
+shade of its root's colour, so a family reads as one hue. Free blocks are grey.
 
 # Explained in chapters/02_paged_blocks.ipynb
 """
@@ -52,16 +52,28 @@ def appearance_order(trace: Trace) -> list[str]:
     return list(seen)
 
 
+def roots(trace: Trace) -> dict[str, str]:
+    """Forked sequence -> the root it descends from, following the trace's (parent, child) forks."""
+    parent_of = {child: parent for record in trace.steps for parent, child in record.forked}
+
+    def root(sequence: str) -> str:
+        while sequence in parent_of:
+            sequence = parent_of[sequence]
+        return sequence
+
+    return {child: root(child) for child in parent_of}
+
+
 def color_map(trace: Trace) -> dict[str, str]:
     """request_id -> hex colour for every sequence of the trace."""
     order = appearance_order(trace)
-    known = set(order)
+    root_of = roots(trace)
     colors: dict[str, str] = {}
     num_children: dict[str, int] = {}
     num_roots = 0
     for rid in order:
-        root = rid.rpartition(":")[0]
-        if root in known and root in colors:  # a forked sequence: a shade of its root's colour
+        root = root_of.get(rid)
+        if root is not None and root in colors:  # a forked sequence: a shade of its root's colour
             k = num_children.get(root, 0)
             num_children[root] = k + 1
             towards, amount = _CHILD_SHADES[k % len(_CHILD_SHADES)]

@@ -23,7 +23,7 @@ once its logits are taken, as vLLM relies on too.
 Each size is checked once after capture: its replay must give the logits the eager forward gave on the same
 inputs, or graphs are switched off with a warning (`LLM(enforce_eager=True)` switches them off outright).
 
-# Explained in chapters/09_engine.ipynb
+# Explained in chapters/09_the_whole_engine.ipynb
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedlab.core.block_table import cdiv
 from pagedlab.worker.attention import AttentionMetadata, PagedAttentionContext
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class DecodeGraphs:
         self.forward = forward
         self.kv_cache = kv_cache
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         rows = self.sizes[-1]
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlab.core.block_table import cdiv
+
 logger = logging.getLogger("pagedlab")
 
 GiB = 1 << 30
@@ -94,7 +96,7 @@ def num_blocks_for_budget(
         budget = int(free * gpu_memory_utilization)
     else:
         budget = default_cpu_budget()
-    num_blocks = min(budget // per_block, -(-max_useful_tokens // block_size))
+    num_blocks = min(budget // per_block, cdiv(max_useful_tokens, block_size))
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget of {budget} bytes holds no block of {block_size} tokens ({per_block} bytes)"

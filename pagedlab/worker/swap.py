@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedlab.core.block_table import cdiv
 from pagedlab.core.preemption import PreemptionCostModel
 from pagedlab.core.sched_output import ScheduledRequest
 from pagedlab.worker.kv_cache import KVCacheSpec
@@ -76,7 +77,7 @@ def measure_cost_model(
     num_tokens = max(1, min(num_tokens, (num_device_blocks - 1) * block_size))
     vocab = runner.model.get_input_embeddings().num_embeddings
     token_ids = torch.randint(0, vocab, (num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    block_ids = tuple(range(1, 1 + -(-num_tokens // block_size))) if num_device_blocks > 1 else (0,)
+    block_ids = tuple(range(1, 1 + cdiv(num_tokens, block_size))) if num_device_blocks > 1 else (0,)
     prefill = ScheduledRequest("cost-model", 0, num_tokens, "cost-model", tuple(token_ids), block_ids)
     prefill_seconds = _best_time(lambda: runner.execute([prefill]), repeats=2)
     return PreemptionCostModel(
