@@ -341,7 +341,7 @@ def test_a_pruned_beam_reads_as_pruned_everywhere():
                     appended=(("b", 11),))  # fmt: skip
     trace.steps.append(pruned)
     text = describe_step(trace, 3)
-    assert "seq b:1 pruned (beam search dropped it)" in text and "finished" not in text
+    assert "seq b:1 pruned (no beam continues it)" in text and "finished" not in text
     assert texts(draw_queues(trace, 3).axes[0], "queue-running-label") == ["b", "b:1\npruned"]
     assert "b:1 pruned" in strip_texts(static_strip(trace, [3]), "strip-note")
     ax = draw_timeline(trace).axes[0]

@@ -34,10 +34,12 @@ GAP = 0.9  # cells between frames
 
 
 def is_eventful(trace: Trace, index: int) -> bool:
-    """A step worth a frame of its own: a preemption, a copy-on-write, a fork, a prune, a swap or an eviction."""
+    """A step worth a frame of its own: a preemption, a copy-on-write, a fork, a prune, a restart, a swap or an
+    eviction."""
     r = trace.steps[index]
     pruned = any(reason == PRUNED for _, reason in r.finished)
-    return bool(r.preempted or r.copied or r.forked or r.swapped_out or r.swapped_in or r.evicted or pruned)
+    return bool(r.preempted or r.copied or r.forked or r.swapped_out or r.swapped_in or r.evicted or pruned
+                or r.restarted)
 
 
 def strip_indices(trace: Trace, num_even: int = 6, max_frames: int = MAX_FRAMES) -> list[int]:
@@ -69,6 +71,7 @@ def frame_notes(trace: Trace, index: int) -> list[str]:
     for rid, reason in record.finished:
         ended.setdefault("pruned" if reason == PRUNED else f"finished ({reason})", []).append(rid)
     notes += [f"{', '.join(rids)} {how}" for how, rids in ended.items()]
+    notes += [f"beam search {group} restarts as {root}" for group, root in record.restarted]
     if record.freed:
         notes.append("freed " + ", ".join(map(str, record.freed)))
     if record.evicted:
