@@ -12,9 +12,10 @@ Every function is pure: the same trace and index always draw the same figure. Co
 
 from pagedlab.viz.events import describe_step
 from pagedlab.viz.palette import seq_color
-from pagedlab.viz.player import animate, render, static_strip
+from pagedlab.viz.player import animate, render
 from pagedlab.viz.pool import draw_block_pool
 from pagedlab.viz.queues import draw_queues
+from pagedlab.viz.strip import static_strip
 from pagedlab.viz.tables import draw_block_tables
 from pagedlab.viz.timeline import draw_timeline
 
