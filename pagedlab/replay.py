@@ -93,7 +93,8 @@ def replay(
     if config.max_model_len is None:
         raise ValueError("replay needs the engine's resolved max_model_len (engine.config)")
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    swap_space = SwapSpace(kv, num_cpu_blocks) if PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE else None
+    swaps = PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE
+    swap_space = SwapSpace(kv, num_cpu_blocks) if swaps else None
     scheduler = Scheduler(config, kv, swap_space, cost_model)
     trace = Trace(num_blocks, config.block_size, num_cpu_blocks, num_trace_steps)
     made_up = itertools.count(1_000_000)
