@@ -380,3 +380,13 @@ def test_is_eventful_and_strip_indices_are_exported():
     trace = timed_trace()
     assert [viz.is_eventful(trace, i) for i in range(4)] == [False, False, False, True]
     assert viz.strip_indices(trace, num_even=2) == [0, 3]
+
+
+def test_a_sequence_swapped_in_and_finished_in_one_step_names_its_block():
+    s = ScheduledRequest
+    out = record(1, tables=[], cpu_block_tables=[T("a", (0, 1), 7)], swapped=["a"], preempted=("a",),
+                 swapped_out=(("a", ((3, 0), (5, 1))),), free=8)  # fmt: skip
+    back = record(2, tables=[], scheduled=[s("a", 7, 1)], swapped_in=(("a", ((0, 6), (1, 2))),),
+                  appended=(("a", 11),), finished=(("a", "length"),), freed=(2, 6), free=8)  # fmt: skip
+    text = describe_step(Trace(8, 4, num_cpu_blocks=2, steps=[out, back]), 1)
+    assert "seq a wrote 1 token into block 2 (slot 4/4), sampled token 11" in text

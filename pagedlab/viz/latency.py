@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from pagedlab.core.trace import Trace
 from pagedlab.viz._common import new_axes, step
@@ -58,7 +59,7 @@ def draw_latency(samples: Mapping[str, Sequence[float]], ax: Axes | None = None,
                  unit: str = "ms", log: bool = False) -> Figure:  # fmt: skip
     """Empirical CDFs of the named lists of seconds, with each median (dot) and p99 (triangle) marked."""
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
-    ax = new_axes(ax, 6.0, 3.2)
+    ax = new_axes(ax, 7.0, 3.5)
     for i, (label, values) in enumerate(samples.items()):
         if not len(values):
             continue
@@ -72,6 +73,8 @@ def draw_latency(samples: Mapping[str, Sequence[float]], ax: Axes | None = None,
         ax.plot([p99], [0.99], "^", color=color, markersize=6)
     if log:
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set(xlabel=f"{unit}", ylabel="share of samples at or below", ylim=(0, 1.03))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
