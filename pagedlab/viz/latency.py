@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, ScalarFormatter
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from pagedlab.core.trace import Trace
 from pagedlab.viz._common import new_axes, step
@@ -73,6 +73,7 @@ def draw_latency(samples: Mapping[str, Sequence[float]], ax: Axes | None = None,
         ax.plot([p99], [0.99], "^", color=color, markersize=6)
     if log:
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set(xlabel=f"{unit}", ylabel="share of samples at or below", ylim=(0, 1.03))
