@@ -211,3 +211,36 @@ def shard_model(model: nn.Module, mesh, stats: CollectiveStats) -> nn.Module:
     """Cut `model` (loaded whole on every rank) down to this rank's shard, in place."""
     check_tensor_parallel_size(model.config, mesh.size())
     return parallelize_module(model, mesh, tensor_parallel_plan(model, stats))
+
+
+@dataclass(frozen=True)
+class TensorParallelCost:
+    """On paper, for one model split over `size` ranks: what each rank holds and what the ranks exchange.
+
+    Per token each layer all-reduces its attention output and its MLP output (hidden_size values each), the
+    embedding one more; a ring all-reduce of B bytes sends 2 (N - 1) / N x B from every rank."""
+
+    size: int
+    weight_bytes_per_rank: int  # the split layers' 1/N plus norms (and the embedding and head, split by vocabulary)
+    kv_bytes_per_token_per_rank: int
+    num_all_reduce_per_step: int  # per forward pass, whatever the batch
+    all_reduce_bytes_per_token: int  # the tensor each rank contributes, per token, summed over the step
+    ring_bytes_sent_per_token: int  # what each rank sends for it with a ring all-reduce
+
+
+def tensor_parallel_cost(config, size: int, dtype_bytes: int = 2) -> TensorParallelCost:
+    """`TensorParallelCost` of a Llama-like `config` (a transformers config) at `size` ranks, `dtype_bytes` per value."""
+    hidden, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    mlp = 3 * hidden * inter
+    embedding = config.vocab_size * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    norms = (2 * layers + 1) * hidden
+    weights = (layers * (attention + mlp) + embedding) // size + norms
+    reduce_bytes = (2 * layers + 1) * hidden * dtype_bytes
+    return TensorParallelCost(
+        size, weights * dtype_bytes, layers * 2 * (kv_heads // size) * head_dim * dtype_bytes, 2 * layers + 1,
+        reduce_bytes, reduce_bytes * 2 * (size - 1) // size,
+    )  # fmt: skip
