@@ -166,3 +166,12 @@ def test_no_process_outlives_a_script_that_forgets_to_close(folders):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pids and not any(alive(pid) for pid in pids)
+
+
+def test_smollm2_over_three_ranks_equals_hugging_face(smollm2):
+    """The embedded model's 9 query and 3 KV heads: one KV head and three query heads per rank."""
+    model, tokenizer = smollm2
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):")]
+    with LLM(None, tensor_parallel_size=3, num_kv_blocks=32, preemption_mode="recompute") as llm:
+        assert greedy(llm, prompts) == hf_greedy(model, prompts, MAX_TOKENS)
+        assert [info.kv_heads for info in llm.llm_engine.worker.ranks] == [(0, 1), (1, 2), (2, 3)]
