@@ -201,14 +201,14 @@ class MultiprocExecutor:
                     try:
                         status, value = pickle.loads(connection.recv_bytes())
                     except (EOFError, OSError):
-                        self._fail(f"rank {rank} died during {what!r} ({self._exit_status(rank)})")
+                        self._fail(f"rank {rank} died during {what!r} ({self._exit_status(rank)}){_hint(what)}")
                     if status == "error":
                         self._fail(f"rank {rank} raised during {what!r}:\n{value}")
                     replies[rank] = value
                     del pending[rank]
             for sentinel, rank in sentinels.items():
                 if sentinel in ready and rank in pending and not pending[rank].poll():
-                    self._fail(f"rank {rank} died during {what!r} ({self._exit_status(rank)})")
+                    self._fail(f"rank {rank} died during {what!r} ({self._exit_status(rank)}){_hint(what)}")
         return [replies[rank] for rank in range(self.size)]
 
     def _exit_status(self, rank: int) -> str:
@@ -223,6 +223,13 @@ class MultiprocExecutor:
         self._failure = why.splitlines()[0]
         self.shutdown()
         raise TensorParallelError(why)
+
+
+def _hint(what: str) -> str:
+    if what != "start-up":
+        return ""
+    return ("; its error is printed above. A rank process imports the main script again (forkserver or spawn): "
+            "a script that builds an LLM must guard its top level with `if __name__ == \"__main__\":`")
 
 
 def _stop(processes, connections, grace: float = 5.0) -> None:
