@@ -55,7 +55,7 @@ def run(engine: LLMEngine, prompts, max_tokens: int) -> tuple[list[float], list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a folder, 'smollm2' (the embedded model), or none: a random Llama")
+    parser.add_argument("--model", default=None, help="a folder, 'smollm2' (embedded), or none: a random Llama")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -116,7 +116,8 @@ def main() -> None:
     for n in (1, 2, 4, 8):
         c = tensor_parallel_cost(paper, n)
         print(f"{n:>4} {c.weight_bytes_per_rank / 2**30:>17.2f} {c.kv_bytes_per_token_per_rank / 1024:>18.0f} "
-              f"{c.num_all_reduce_per_step if n > 1 else 0:>17} {c.all_reduce_bytes_per_token / 1024 if n > 1 else 0:>18.0f} "
+              f"{c.num_all_reduce_per_step if n > 1 else 0:>17} "
+              f"{c.all_reduce_bytes_per_token / 1024 if n > 1 else 0:>18.0f} "
               f"{c.ring_bytes_sent_per_token / 1024:>22.0f}")  # fmt: skip
 
 

@@ -33,7 +33,7 @@ MAX_TOKENS = 16
 # less than the six requests need together: the engine must preempt.
 CONFIG = dict(
     block_size=4, num_kv_blocks=18, enable_prefix_caching=True, enable_chunked_prefill=True,
-    max_num_batched_tokens=16, distributed_timeout=120.0,
+    max_num_batched_tokens=16,
 )  # fmt: skip
 
 
@@ -94,8 +94,11 @@ def test_two_ranks_equal_one_and_hugging_face(folders, family, mode):
 
     # parallel sampling and beam search: the same sequences as one process
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
-    samples = [[list(c.token_ids) for c in o.outputs] for o in llm.generate(_ids(prompts[:3]), params, use_tqdm=False)]
-    assert samples == [[list(c.token_ids) for c in o.outputs] for o in one.generate(_ids(prompts[:3]), params, use_tqdm=False)]
+    def samples(engine: LLM) -> list[list[list[int]]]:
+        outputs = engine.generate(_ids(prompts[:3]), params, use_tqdm=False)
+        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+    assert samples(llm) == samples(one)
     beams = BeamSearchParams(beam_width=3, max_tokens=8)
     assert [[s.tokens for s in o.sequences] for o in llm.beam_search(_ids(prompts[:2]), beams)] == [
         [s.tokens for s in o.sequences] for o in one.beam_search(_ids(prompts[:2]), beams)

@@ -45,7 +45,8 @@ class TensorParallelError(RuntimeError):
 def refuse_model_object(size: int) -> None:
     raise ValueError(
         f"tensor_parallel_size={size} needs the model as a folder or Hub id: each rank loads its own shard in its "
-        f"own process, and a model object lives in this one; save it (model.save_pretrained(folder)) and pass the folder"
+        f"own process, and a model object lives in this one; save it (model.save_pretrained(folder)) and pass "
+        f"the folder"
     )
 
 
@@ -71,7 +72,9 @@ def launch(model, tokenizer, dtype, device, config: EngineConfig):
     check_supported(hf_config)
     check_tensor_parallel_size(hf_config, size)  # before any process starts
     if device.type == "cuda" and torch.cuda.device_count() < size:
-        raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices; torch sees {torch.cuda.device_count()}")
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} CUDA devices; torch sees {torch.cuda.device_count()}"
+        )
     tokenizer = load_tokenizer(path, tokenizer)
     if under_torchrun():
         from pagedlab.worker.tp_worker import RankWorker, init_distributed

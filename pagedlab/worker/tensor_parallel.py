@@ -229,7 +229,7 @@ class TensorParallelCost:
 
 
 def tensor_parallel_cost(config, size: int, dtype_bytes: int = 2) -> TensorParallelCost:
-    """`TensorParallelCost` of a Llama-like `config` (a transformers config) at `size` ranks, `dtype_bytes` per value."""
+    """`TensorParallelCost` of a Llama-like transformers `config` at `size` ranks, `dtype_bytes` per value."""
     hidden, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
