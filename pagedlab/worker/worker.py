@@ -21,7 +21,8 @@ import torch
 from pagedlab.config import EngineConfig
 from pagedlab.core.preemption import PreemptionMode
 from pagedlab.core.sched_output import SchedulerOutput
-from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.kv_cache import GiB, KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.kv_quant import resolve_kv_cache_dtype
 from pagedlab.worker.model_runner import ModelRunner, RunnerOutput
 from pagedlab.worker.swap import CPUKVCache, measure_cost_model
 
@@ -38,7 +39,7 @@ class Worker:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.spec = KVCacheSpec.from_model_config(model.config, self.dtype)
+        self.spec = KVCacheSpec.from_model_config(model.config, resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
         self.num_blocks, max_model_len = self._size_kv_cache(model.config, config)
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
         self.bytes_per_block = self.spec.bytes_per_block(config.block_size)
@@ -58,6 +59,8 @@ class Worker:
             if mode == PreemptionMode.AUTO:
                 self.cost_model = measure_cost_model(self.model_runner, self.cpu_kv_cache, self.spec, config.block_size)
                 logger.info("%s", self.cost_model.explain())
+        if self.model_runner.kv_scales is not None:  # after the start-up runs, so that real requests set them
+            self.model_runner.kv_scales.calculate = config.calculate_kv_scales
 
     def _size_kv_cache(self, model_config, config: EngineConfig) -> tuple[int, int]:
         """The number of KV blocks and the resolved max_model_len (the model's limit, capped by the cache)."""
@@ -80,9 +83,11 @@ class Worker:
             )
         max_model_len = min(wanted_len, capacity)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s); max_model_len %d", num_blocks,
-            config.block_size, capacity, num_blocks * self.spec.bytes_per_block(config.block_size) / 2**20,
-            self.device, str(self.dtype).removeprefix("torch."), max_model_len,
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s, KV in %s: %d bytes per token, %d tokens "
+            "per GiB); max_model_len %d", num_blocks, config.block_size, capacity,
+            num_blocks * self.spec.bytes_per_block(config.block_size) / 2**20, self.device,
+            str(self.dtype).removeprefix("torch."), str(self.spec.dtype).removeprefix("torch."),
+            self.spec.bytes_per_token, GiB // self.spec.bytes_per_token, max_model_len,
         )  # fmt: skip
         return num_blocks, max_model_len
 
