@@ -22,7 +22,7 @@ from pagedlab.config import EngineConfig
 from pagedlab.core.preemption import PreemptionMode
 from pagedlab.core.sched_output import SchedulerOutput
 from pagedlab.worker.kv_cache import GiB, KVCacheSpec, num_blocks_for_budget
-from pagedlab.worker.kv_quant import resolve_kv_cache_dtype
+from pagedlab.worker.kv_quant import is_quantized, resolve_kv_cache_dtype
 from pagedlab.worker.model_runner import ModelRunner, RunnerOutput
 from pagedlab.worker.swap import CPUKVCache, measure_cost_model
 
@@ -43,7 +43,7 @@ class Worker:
         self.num_blocks, max_model_len = self._size_kv_cache(model.config, config)
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
         self.bytes_per_block = self.spec.bytes_per_block(config.block_size)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.spec.dtype)
         self.model_runner = ModelRunner(
             model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend
         )
@@ -149,12 +149,14 @@ def _message(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """Resolve "auto", and check that "triton" can run here."""
+def resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> str:
+    """Resolve "auto", and check that "triton" can run here (and with this KV cache dtype)."""
     from pagedlab.kernels import HAS_TRITON
 
     if name == "auto":
-        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+        return "triton" if device.type == "cuda" and HAS_TRITON and not is_quantized(kv_cache_dtype) else "torch"
+    if name == "triton" and is_quantized(kv_cache_dtype):
+        raise ValueError("attention_backend='triton' does not read an fp8 KV cache yet; use attention_backend='torch'")
     if name == "triton":
         if not HAS_TRITON:
             raise ValueError("attention_backend='triton' needs the triton package (Linux only); use 'torch'")
