@@ -113,11 +113,6 @@ def test_unknown_dtype_is_a_clear_error(model):
         LLM(model, calculate_kv_scales=True)
 
 
-def test_triton_refuses_an_fp8_cache_clearly(model):
-    with pytest.raises(ValueError, match="fp8 KV cache"):
-        LLM(model, kv_cache_dtype="fp8", attention_backend="triton", num_kv_blocks=8)
-
-
 @pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_capacity_counts_the_real_bytes(model, name, caplog):
     budget = dict(kv_cache_memory=1 << 20, block_size=16, max_num_seqs=4096, preemption_mode="recompute")

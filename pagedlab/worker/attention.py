@@ -284,7 +284,9 @@ def paged_attention_forward(
     if pagedlab_context.backend == "triton":
         from pagedlab.kernels.backend import triton_attention  # imported only when asked for: triton is optional
 
-        return triton_attention(q, k, v, key_cache, value_cache, metadata, scaling, sliding_window).unsqueeze(0), None
+        layer_scales = kv_scales.scales[module.layer_idx] if kv_scales is not None else None
+        out = triton_attention(q, k, v, key_cache, value_cache, metadata, scaling, sliding_window, layer_scales)
+        return out.unsqueeze(0), None
     write_to_cache(k, v, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q (a transposed view)

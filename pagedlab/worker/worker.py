@@ -47,7 +47,8 @@ class Worker:
         self.model_runner = ModelRunner(
             model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend
         )
-        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+        graphs = not config.enforce_eager and self.model_runner.kv_scales is None  # fp8: eager (graphs unchecked)
+        if self.device.type == "cuda" and self.attention_backend == "triton" and graphs:
             self.model_runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         self.num_cpu_blocks, self.cpu_kv_cache, self.cost_model = 0, None, None
         mode = PreemptionMode(config.preemption_mode)
@@ -153,10 +154,8 @@ def resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: t
     """Resolve "auto", and check that "triton" can run here (and with this KV cache dtype)."""
     from pagedlab.kernels import HAS_TRITON
 
-    if name == "auto":
+    if name == "auto":  # an fp8 cache: torch, until the kernels' float8 variants are checked on a GPU
         return "triton" if device.type == "cuda" and HAS_TRITON and not is_quantized(kv_cache_dtype) else "torch"
-    if name == "triton" and is_quantized(kv_cache_dtype):
-        raise ValueError("attention_backend='triton' does not read an fp8 KV cache yet; use attention_backend='torch'")
     if name == "triton":
         if not HAS_TRITON:
             raise ValueError("attention_backend='triton' needs the triton package (Linux only); use 'torch'")
