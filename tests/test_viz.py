@@ -16,9 +16,13 @@ from pagedlab.viz import (
     describe_step,
     draw_block_pool,
     draw_block_tables,
+    draw_kv_usage,
+    draw_latency,
     draw_queues,
+    draw_step_tokens,
     draw_timeline,
     render,
+    request_times,
     seq_color,
     static_strip,
 )
@@ -27,6 +31,7 @@ from pagedlab.viz.palette import FREE_COLOR, OKABE_ITO, color_map
 from pagedlab.viz.strip import strip_indices
 from pagedlab.viz.tables import shown_columns
 from pagedlab.viz.timeline import states
+from pagedlab.viz.usage import kv_usage
 
 T = BlockTableSnapshot
 
@@ -409,3 +414,77 @@ def test_every_step_of_an_engine_trace_draws_what_its_tables_hold(engine_trace):
     strip = static_strip(trace)
     assert strip.get_size_inches()[0] * STORED_DPI <= 900
     assert any(t.startswith("CPU swap pool") for t in strip_texts(strip, f"cpu-strip-pool-{swapped}-title"))
+
+
+# -- per-step tokens, KV usage and latency (chapters 05-09) ---------------------------------------------
+
+
+def timed_trace() -> Trace:
+    """Four steps of a hand-made trace with durations: a prefill, a mixed step, a decode step, a swap."""
+    s = ScheduledRequest
+    return Trace(8, 4, num_cpu_blocks=4, steps=[
+        record(1, tables=[T("a", (0, 1), 6)], waiting=["b"], running=["a"], scheduled=[s("a", 0, 6)],
+               appended=(("a", 1),), cached_blocks=(0,), free=6, num_free_cpu_blocks=4, duration_s=0.5),
+        record(2, tables=[T("a", (0, 1), 7), T("b", (2, 3), 5)], running=["a", "b"],
+               scheduled=[s("a", 6, 1), s("b", 0, 5)], appended=(("a", 2), ("b", 3)), cached_blocks=(0, 2),
+               free=4, num_free_cpu_blocks=4, duration_s=0.25),
+        record(3, tables=[T("b", (2, 3), 6)], running=["b"], scheduled=[s("b", 5, 1)], appended=(("b", 4),),
+               finished=(("a", "length"),), freed=(1, 0), cached_blocks=(0, 2), free=6, num_free_cpu_blocks=4,
+               duration_s=0.125),
+        record(4, tables=[], swapped=["b"], cpu_block_tables=[T("b", (0, 1), 6)], preempted=("b",),
+               swapped_out=(("b", ((2, 0), (3, 1))),), scheduled=[], free=8, num_free_cpu_blocks=2,
+               duration_s=0.0625),
+    ])  # fmt: skip
+
+
+def test_step_tokens_split_prefill_and_decode_against_the_budget():
+    trace = timed_trace()
+    ax = draw_step_tokens(trace, budget=8, show_duration=True).axes[0]
+    decode = [p.get_height() for p in ax.patches if p.get_gid() == "tokens-decode"]
+    prefill = [p.get_height() for p in ax.patches if p.get_gid() == "tokens-prefill"]
+    assert decode == [0, 1, 1, 0] and prefill == [6, 5, 0, 0]
+    [budget] = [line for line in ax.lines if line.get_gid() == "tokens-budget"]
+    assert list(budget.get_ydata()) == [8, 8]
+    [duration] = [line for ax_ in ax.figure.axes for line in ax_.lines if line.get_gid() == "tokens-duration"]
+    assert list(duration.get_ydata()) == [500, 250, 125, 62.5]
+    assert "budget (8 tokens)" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_kv_usage_counts_used_cached_and_cpu_blocks():
+    trace = timed_trace()
+    assert kv_usage(trace) == {"used": [2, 4, 2, 0], "cached_free": [0, 0, 1, 0], "cpu_used": [0, 0, 0, 2]}
+    ax = draw_kv_usage(trace).axes[0]
+    assert [c.get_gid() for c in ax.collections] == ["usage-cached", "usage-preempted"]
+    assert gid(ax, "usage-preempted").get_offsets().tolist() == [[4, 0]]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["device blocks in use", "free but cached (prefix cache)", "CPU swap blocks in use",
+                      "device pool (8 blocks)", "preemption"]  # fmt: skip
+
+
+def test_request_times_and_latency_curves():
+    times = request_times(timed_trace())
+    assert times["a"].arrival_s == 0 and times["a"].token_s == (0.5, 0.75)
+    assert times["b"].arrival_s == 0 and times["b"].token_s == (0.75, 0.875)  # waiting in step 1
+    assert times["b"].ttft_s == 0.75 and times["b"].itl_s == [0.125]
+    fig = draw_latency({"first token": [t.ttft_s for t in times.values()], "empty": []}, title="t", unit="s")
+    [curve] = [line for line in fig.axes[0].lines if line.get_gid() == "latency-0"]
+    assert list(curve.get_xdata()) == [0.5, 0.75]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["first token: p50 0.625, p99 0.748 s"]
+
+
+def test_is_eventful_and_strip_indices_are_exported():
+    import pagedlab.viz as viz
+
+    trace = timed_trace()
+    assert [viz.is_eventful(trace, i) for i in range(4)] == [False, False, False, True]
+    assert viz.strip_indices(trace, num_even=2) == [0, 3]
+
+
+def test_a_sequence_swapped_in_and_finished_in_one_step_names_its_block():
+    s = ScheduledRequest
+    out = record(1, tables=[], cpu_block_tables=[T("a", (0, 1), 7)], swapped=["a"], preempted=("a",),
+                 swapped_out=(("a", ((3, 0), (5, 1))),), free=8)  # fmt: skip
+    back = record(2, tables=[], scheduled=[s("a", 7, 1)], swapped_in=(("a", ((0, 6), (1, 2))),),
+                  appended=(("a", 11),), finished=(("a", "length"),), freed=(2, 6), free=8)  # fmt: skip
+    text = describe_step(Trace(8, 4, num_cpu_blocks=2, steps=[out, back]), 1)
+    assert "seq a wrote 1 token into block 2 (slot 4/4), sampled token 11" in text
