@@ -54,11 +54,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calculate-kv-scales", action="store_true", default=None,
                        help="with an FP8 cache, set each layer's K/V scales from the first batch (else 1.0)")
     group.add_argument("--engine-seed", type=int, default=None, help="seed of requests that bring none")
+    group.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="split the model and KV cache over this many worker processes (default 1)")
+    group.add_argument("--distributed-timeout", type=float, default=None,
+                       help="seconds a tensor-parallel rank may take to answer before the engine stops (default 300)")
 
 
 _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-                  "preemption_mode", "attention_backend", "kv_cache_dtype", "calculate_kv_scales")  # fmt: skip
+                  "preemption_mode", "attention_backend", "tensor_parallel_size", "distributed_timeout",
+                  "kv_cache_dtype", "calculate_kv_scales")  # fmt: skip
 
 
 def _engine_kwargs(args) -> dict:
