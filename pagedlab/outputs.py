@@ -56,8 +56,8 @@ class EngineStats:
     num_swapped: int = 0  # requests in the swapped queue now
     num_cpu_blocks: int = 0
     num_used_cpu_blocks: int = 0
-    kv_cache_dtype: str = ""  # what the KV cache is stored in: "float32", "bfloat16", "float8_e4m3fn", ...
-    kv_bytes_per_token: int = 0  # K and V of one token in every layer, in that dtype
+    kv_cache_dtype: str = "auto"  # the engine's kv_cache_dtype: "auto" (the model's dtype), "fp8", "fp8_e5m2", ...
+    kv_bytes_per_token: int = 0  # K and V of one token in every layer (over all tensor-parallel ranks)
 
     @property
     def kv_tokens_per_gib(self) -> int:

@@ -124,8 +124,8 @@ def test_capacity_counts_the_real_bytes(model, name, caplog):
     stats = quantised.stats()
     assert stats.kv_bytes_per_token == 2 * 2 * 2 * 16  # K and V x 2 layers x 2 KV heads x head_dim 16, 1 byte
     assert stats.kv_tokens_per_gib == 4 * full.stats().kv_tokens_per_gib == (1 << 30) // 128
-    assert stats.kv_cache_dtype == str(KV_CACHE_DTYPES[name]).removeprefix("torch.")
-    assert quantised.worker.model_runner.kv_cache.element_size() == 1
+    assert stats.kv_cache_dtype == name and full.stats().kv_cache_dtype == "auto"
+    assert quantised.worker.model_runner.kv_cache.dtype == KV_CACHE_DTYPES[name]
     assert f"{(1 << 30) // 128} tokens per GiB" in caplog.text
 
 
@@ -225,3 +225,20 @@ def test_greedy_agreement_with_the_full_precision_cache(family, name, calculate)
     agreement = Agreement.measure(full, pagedlab_greedy(llm, prompts, MAX_TOKENS))
     print(family, name, calculate, agreement)
     assert agreement.fraction >= AGREEMENT_FLOORS[family, name, calculate], str(agreement)
+
+
+@pytest.mark.slow  # starts two rank processes
+def test_tensor_parallel_ranks_size_and_use_an_fp8_cache(tmp_path):
+    """Two ranks, each with half the heads of every fp8 block: the budget counts one byte a value there too, and
+    the tokens are one process's (scales of 1.0: calculated ones would be each rank's own)."""
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    prompts = random_prompts([5, 17, 9])
+    config = dict(kv_cache_dtype="fp8", kv_cache_memory=1 << 16, block_size=4, preemption_mode="recompute")
+    one = LLM(tmp_path, **config)
+    llm = LLM(tmp_path, tensor_parallel_size=2, **config)
+    try:
+        assert llm.llm_engine.worker.num_blocks == 2 * one.llm_engine.worker.num_blocks  # half the bytes per rank
+        assert pagedlab_greedy(llm, prompts, 12) == pagedlab_greedy(one, prompts, 12)
+    finally:
+        llm.close()
