@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedlab.config import EngineConfig
+from pagedlab.core.block_table import cdiv
 from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode
 from pagedlab.core.request import Request
@@ -73,8 +74,6 @@ class SimEngine:
     def __init__(self, config: EngineConfig, cost_model: StepCostModel,
                  preemption_cost_model: PreemptionCostModel | None = None, kv_bytes_per_token: int = 0,
                  beam_seed: int = 0) -> None:  # fmt: skip
-        from pagedlab.inputs import InputProcessor
-
         self.config = config
         self.cost_model = cost_model
         num_blocks = config.num_kv_blocks
@@ -88,33 +87,32 @@ class SimEngine:
                 self.num_cpu_blocks = min(by_budget, num_blocks)
             self.swap_space = SwapSpace(self.kv_cache_manager, self.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.swap_space, preemption_cost_model)
-        self.inputs = InputProcessor(None, 1 << 31, config, num_blocks)  # any token id is in the vocabulary
         self.tokens = MadeUpTokens()
         self.beams = MadeUpBeams(self.tokens, beam_seed)
         self.trace = SimTrace(num_blocks, config.block_size, self.num_cpu_blocks, None, config=config)
         self.num_arrivals = 0
 
     def add_request(self, request_id: str | None, spec: SimRequest) -> str:
-        """Queue one request as `LLMEngine.add_request` (or `add_beam_request`) would; ValueError if it could never
-        run. Greedy with EOS ignored; n > 1 samples draw at temperature 1 (their tokens are made up anyway)."""
-        from pagedlab.beam_search import BeamSearchParams
-
+        """Queue one request as `LLMEngine.add_request` (or `add_beam_request`) would, after the same checks.
+        Greedy with EOS ignored; n > 1 samples draw at temperature 1 (their tokens are made up anyway)."""
         request_id = str(self.num_arrivals if request_id is None else request_id)
         if request_id in self.scheduler.groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        if spec.beam_width:
-            params = BeamSearchParams(spec.beam_width, spec.output_len, ignore_eos=True)
-        else:
-            params = SamplingParams(n=spec.n, temperature=1.0 if spec.n > 1 else 0.0, seed=self.num_arrivals,
-                                    max_tokens=spec.output_len, ignore_eos=True)  # fmt: skip
-        token_ids = self.inputs.process({"prompt_token_ids": list(spec.prompt_token_ids)}, params).token_ids
+        check_request(spec, self.config)
+        token_ids = list(spec.prompt_token_ids)
         room = self.config.max_model_len - len(token_ids)
-        sampling, max_tokens = (BEAM_SAMPLING, room) if spec.beam_width else (params, min(spec.output_len, room))
-        request = Request(self.scheduler.unique_id(request_id), token_ids, sampling, self.num_arrivals, max_tokens,
-                          group_id=request_id, beam_width=spec.beam_width)  # fmt: skip
+        max_tokens = min(spec.output_len, room)
+        if spec.beam_width:
+            sampling = BEAM_SAMPLING
+        else:
+            sampling = SamplingParams(n=spec.n, temperature=1.0 if spec.n > 1 else 0.0, seed=self.num_arrivals,
+                                      max_tokens=spec.output_len, ignore_eos=True)  # fmt: skip
+        request = Request(self.scheduler.unique_id(request_id), token_ids, sampling, self.num_arrivals,
+                          room if spec.beam_width else max_tokens, group_id=request_id,
+                          beam_width=spec.beam_width)  # fmt: skip
         self.scheduler.add_request(request)
         if spec.beam_width:
-            self.beams.add(request_id, request.request_id, spec.beam_width, min(spec.output_len, room))
+            self.beams.add(request_id, request.request_id, spec.beam_width, max_tokens)
         self.trace.group_of[request.request_id] = request_id
         self.num_arrivals += 1
         return request_id
@@ -191,15 +189,32 @@ def simulate(
     return trace
 
 
-def _check_all(engine: SimEngine, requests: Sequence[SimRequest]) -> None:
-    """Every request's prompt and parameters are checked before the first step (a ValueError naming it)."""
-    from pagedlab.beam_search import BeamSearchParams
+def check_request(spec: SimRequest, config: EngineConfig) -> None:
+    """The engine's checks of a token-id prompt and its samples or beams (`pagedlab.inputs.InputProcessor`, which
+    the simulator does not import: it would bring torch), with its messages; tests/test_sim.py keeps them equal."""
+    num_tokens = spec.num_prompt_tokens
+    if num_tokens + 1 > config.max_model_len:
+        raise ValueError(f"the prompt has {num_tokens} tokens; with one generated token that exceeds "
+                         f"max_model_len={config.max_model_len}")  # fmt: skip
+    num_blocks = cdiv(num_tokens + 1, config.block_size)
+    if num_blocks > config.num_kv_blocks:
+        raise ValueError(f"the prompt needs {num_blocks} KV blocks but the whole cache has {config.num_kv_blocks}")
+    if num_tokens > config.max_num_batched_tokens and not config.enable_chunked_prefill:
+        raise ValueError(f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens="
+                         f"{config.max_num_batched_tokens}; raise it or enable chunked prefill")  # fmt: skip
+    if spec.beam_width > config.max_num_seqs:
+        raise ValueError(f"beam_width={spec.beam_width} is more than max_num_seqs={config.max_num_seqs}: its beams "
+                         "could never run at once; lower beam_width or raise max_num_seqs")  # fmt: skip
+    if spec.n > config.max_num_seqs:
+        raise ValueError(f"SamplingParams n={spec.n} is more than max_num_seqs={config.max_num_seqs}: its samples "
+                         "could never run at once; lower n or raise max_num_seqs")  # fmt: skip
 
+
+def _check_all(engine: SimEngine, requests: Sequence[SimRequest]) -> None:
+    """Every request is checked before the first step (a ValueError naming it)."""
     for i, spec in enumerate(requests):
-        params = (BeamSearchParams(spec.beam_width, spec.output_len) if spec.beam_width
-                  else SamplingParams(n=spec.n, temperature=1.0, max_tokens=spec.output_len))  # fmt: skip
         try:
-            engine.inputs.process({"prompt_token_ids": list(spec.prompt_token_ids)}, params)
+            check_request(spec, engine.config)
         except ValueError as error:
             raise ValueError(f"request {i} (arriving at {spec.arrival_s:g} s): {error}") from None
     if not math.isfinite(sum(r.arrival_s for r in requests)):
