@@ -203,10 +203,10 @@ def test_continuous_contiguous_frees_at_once_and_never_preempts():
 
 def test_step_features():
     steps = (ScheduledRequest("a", 0, 10), ScheduledRequest("b", 7, 1), ScheduledRequest("c", 99, 1))
-    assert step_features(steps, 3) == (1.0, 10, 2, 8 + 100, 3)
+    assert step_features(steps, 3) == (1.0, 10, 2, 10 + 8 + 100, 3)
     assert step_features(()) == (0.0, 0, 0, 0, 0)
     model = StepCostModel(0.1, 0.01, 0.02, 0.001, 0.5)
-    assert model.step_seconds(steps, 3) == pytest.approx(0.1 + 0.1 + 0.04 + 0.108 + 1.5)
+    assert model.step_seconds(steps, 3) == pytest.approx(0.1 + 0.1 + 0.04 + 0.118 + 1.5)
     with pytest.raises(ValueError, match=">= 0"):
         StepCostModel(-1, 0, 0, 0)
 

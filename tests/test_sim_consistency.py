@@ -15,11 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedlab import LLMEngine, SamplingParams
+from pagedlab import LLMEngine
 from pagedlab.config import EngineConfig
 from pagedlab.core.block_table import cdiv
 from pagedlab.core.trace import StepRecord
 from pagedlab.sim import SimRequest, StepCostModel, simulate
+from pagedlab.sim.calibrate import replay
 from tests.conftest import random_prompts, tiny_model
 
 STEP = StepCostModel.constant(1.0)
@@ -48,21 +49,10 @@ def workload(seed: int, num: int = 7, shared_prefix: int = 0, n: int = 1, late: 
 
 
 def run_engine(model, requests: list[SimRequest], config: EngineConfig) -> LLMEngine:
-    """Drive the engine with the simulator's clock: a request joins before the first step that starts at or
-    after its arrival; a step that computes something lasts one second; an idle engine waits for the next."""
+    """Drive the engine with the simulator's clock (`replay`: a step that computes something lasts one second),
+    checking its invariants after every step."""
     engine = LLMEngine(model, None, config)
-    clock, pending = 0.0, list(enumerate(requests))
-    while pending or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests():
-            clock = max(clock, pending[0][1].arrival_s)
-        while pending and pending[0][1].arrival_s <= clock:
-            i, spec = pending.pop(0)
-            params = SamplingParams(n=spec.n, temperature=1.0 if spec.n > 1 else 0.0, seed=i,
-                                    max_tokens=spec.output_len, ignore_eos=True)  # fmt: skip
-            engine.add_request(str(i), {"prompt_token_ids": list(spec.prompt_token_ids)}, params)
-        engine.step()
-        engine.check_invariants()
-        clock += 1.0 if engine.trace[-1].scheduled else 0.0
+    replay(engine, requests, STEP, on_step=engine.check_invariants)
     return engine
 
 

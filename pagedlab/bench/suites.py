@@ -6,6 +6,7 @@ results and plots to it. Table columns are fixed per workload (`COLUMNS`), whate
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from pagedlab.bench import COMPARATORS, metrics, overhead, report, systems, workloads
@@ -30,6 +31,10 @@ COLUMNS = {
     "capacity": ("kv_slots", "contiguous_peak", "contiguous_mean", "paged_peak", "paged_mean", "ratio_peak",
                  "ratio_mean", "paged_preemptions", "meets_3x_target"),
     "sweep": ("max_num_seqs", "time_s", "output_tok_s", "peak_seqs", "kv_util"),
+    "calibrate": ("coefficient", "value"),
+    "calibrate_error": ("workload", "fitted", "steps", "measured_s", "predicted_s", "total_error",
+                        "median_step_error", "p90_step_error", "repeats_spread"),
+    "calibrate_serving": ("metric", "simulated", "real", "error"),
 }  # fmt: skip
 
 
@@ -353,7 +358,45 @@ def capacity(bench) -> None:
         logx=True))  # fmt: skip
 
 
+# -- calibrate: the simulator's step cost model, fitted to this engine on this machine ------------------------------
+
+
+def calibrate(bench) -> None:
+    from pagedlab.sim.calibration_run import run_calibration
+
+    o = bench.options
+    repeats = max(3, o.repeats)
+    bench.describe(None, f"the simulator's step cost model fitted to the engine's step times (median of {repeats} "
+                         "repeats), and its error on held-out workloads")  # fmt: skip
+    bar = bench.bar("calibrate")
+    calibration, measured = run_calibration(bench.model, bench.tokenizer, repeats, o.scale, o.seed,
+                                            progress=bar.set_description if bar is not None else None)  # fmt: skip
+    table = Table("calibrate: seconds per step = sum of coefficient x feature", COLUMNS["calibrate"])
+    for name, value in dataclasses.asdict(calibration.step_cost).items():
+        table.add(coefficient=name, value=value)
+    table.notes.append("written to calibration.json; copy it to pagedlab/sim/calibration.json to ship it")
+    bench.add_table("calibrate", table)
+    errors = Table("calibrate: predicted against measured step times (sum of per-step medians)",
+                   COLUMNS["calibrate_error"])  # fmt: skip
+    for name, e in calibration.error["steps"].items():
+        errors.add(workload=name, fitted=e["fitted"], steps=e["num_steps"], measured_s=e["total_measured_s"],
+                   predicted_s=e["total_predicted_s"], total_error=e["total_error"],
+                   median_step_error=e["median_abs_step_error"], p90_step_error=e["p90_abs_step_error"],
+                   repeats_spread=calibration.noise[name]["total_spread"])  # fmt: skip
+    errors.notes.append("errors are relative; repeats_spread: (slowest - fastest) / median of the repeats' totals")
+    bench.add_table("calibrate_error", errors)
+    serving = calibration.error["serving"]
+    table = Table("calibrate: real-time Poisson arrivals, engine against simulator", COLUMNS["calibrate_serving"])
+    for metric, value in serving["simulated"].items():
+        table.add(metric=metric, simulated=value, real=", ".join(f"{run[metric]:.3g}" for run in serving["real"]),
+                  error=", ".join(f"{e:+.1%}" for e in serving["error"][metric]))  # fmt: skip
+    bench.add_table("calibrate_serving", table)
+    bench.add_plot("calibration.json", calibration.save)  # not a plot: add_plot writes any file
+    steps = {name: dataclasses.asdict(times) for name, times in measured.items()}
+    bench.add_plot("calibration_steps.json", lambda path: report.write_json(path, steps))
+
+
 RUNNERS = {
     "chat": chat, "nano-vllm": nano_vllm, "prefix": prefix, "sharing": sharing, "pressure": pressure,
-    "serving": serving, "overhead": scheduler_overhead, "capacity": capacity,
+    "serving": serving, "overhead": scheduler_overhead, "capacity": capacity, "calibrate": calibrate,
 }  # fmt: skip

@@ -29,9 +29,11 @@ def replay(engine, requests: Sequence[SimRequest], cost_model: StepCostModel = S
            on_step: Callable[[], None] | None = None) -> None:  # fmt: skip
     """Drive a real `LLMEngine` as `simulate` drives its own: request i (in arrival order) is added as "i" before
     the first step that starts at or after its arrival on a clock that advances by `cost_model`'s durations
-    of the steps recorded so far; an idle engine jumps to the next arrival. Greedy, EOS ignored."""
+    of the steps recorded so far; an idle engine jumps to the next arrival. Greedy, EOS ignored. Prompt token
+    ids are taken modulo the model's vocabulary (lengths are what matter here)."""
     from pagedlab.sampling_params import SamplingParams
 
+    vocab_size = engine.model.get_input_embeddings().num_embeddings
     pending = sorted(enumerate(requests), key=lambda item: item[1].arrival_s)
     clock, next_index = 0.0, 0
     while next_index < len(pending) or engine.has_unfinished_requests():
@@ -41,7 +43,8 @@ def replay(engine, requests: Sequence[SimRequest], cost_model: StepCostModel = S
             spec = pending[next_index][1]
             params = SamplingParams(n=spec.n, temperature=1.0 if spec.n > 1 else 0.0, seed=next_index,
                                     max_tokens=spec.output_len, ignore_eos=True)  # fmt: skip
-            engine.add_request(str(next_index), {"prompt_token_ids": list(spec.prompt_token_ids)}, params)
+            prompt = [t % vocab_size for t in spec.prompt_token_ids]
+            engine.add_request(str(next_index), {"prompt_token_ids": prompt}, params)
             next_index += 1
         engine.step()
         if on_step is not None:
@@ -145,7 +148,8 @@ def step_error(model: StepCostModel, times: StepTimes) -> StepError:
 
 def noise(times: StepTimes) -> dict:
     """How much the repeats disagree: per step, the spread (max - min) over the median, and the totals."""
-    spreads = sorted((max(c) - min(c)) / statistics.median(c) for c in zip(*times.durations) if statistics.median(c) > 0)
+    columns = [c for c in zip(*times.durations) if statistics.median(c) > 0]
+    spreads = sorted((max(c) - min(c)) / statistics.median(c) for c in columns)
     totals = times.totals
     return {
         "repeats": len(times.durations),
@@ -160,30 +164,39 @@ def noise(times: StepTimes) -> dict:
 
 def fit_workloads(seed: int = 0, scale: float = 1.0) -> dict[str, tuple[tuple[SimRequest, ...], dict]]:
     """What the fit measures (name -> requests, engine settings): decode batches of every size and context,
-    prefill steps of many sizes mixed with decodes (chunked), and long contexts. Arrival times are in steps."""
+    prefill steps of many sizes mixed with decodes (chunked), and long contexts. Arrival times are in steps.
+    `scale` shrinks the request counts and the decode workload's output lengths."""
     n = lambda k: max(2, round(k * scale))  # noqa: E731
     return {
         "decode": (make_workload(n(48), request_rate=2.0, prompt_len=Lengths("uniform", low=16, high=160),
-                                 output_len=Lengths("uniform", low=8, high=128), seed=seed), {}),
+                                 output_len=Lengths("uniform", low=n(8), high=n(128)), seed=seed), {}),
         "prefill": (make_workload(n(24), request_rate=0.5, prompt_len=Lengths("uniform", low=64, high=1024),
                                   output_len=Lengths("uniform", low=2, high=24), seed=seed + 1),
                     dict(enable_chunked_prefill=True, max_num_batched_tokens=512)),
         "long-context": (make_workload(n(8), request_rate=1.0, prompt_len=Lengths("uniform", low=900, high=1500),
-                                       output_len=Lengths("fixed", 48), seed=seed + 2), {}),
+                                       output_len=Lengths("fixed", n(48)), seed=seed + 2), {}),
     }  # fmt: skip
 
 
 def validation_workloads(seed: int = 100, scale: float = 1.0) -> dict[str, tuple[tuple[SimRequest, ...], dict]]:
-    """Held out from the fit: the chat benchmark's lengths all at once, and a tight pool that preempts."""
+    """Held out from the fit: chat-like requests all at once, and a tight pool that preempts by swapping or by
+    recomputing (prompts as the chat benchmark's, outputs exponential with mean 128 clipped to [16, 256])."""
     n = lambda k: max(2, round(k * scale))  # noqa: E731
-    chat = Lengths("chat")
+    chat, out = Lengths("chat"), Lengths("exponential", n(128), low=n(16), high=n(256))
     return {
-        "chat": (make_workload(n(32), prompt_len=chat, output_len=chat, seed=seed), {}),
-        "pressure-swap": (make_workload(n(16), prompt_len=chat, output_len=chat, seed=seed + 1),
-                          dict(num_kv_blocks=96, preemption_mode="swap")),
-        "pressure-recompute": (make_workload(n(16), prompt_len=chat, output_len=chat, seed=seed + 1),
-                               dict(num_kv_blocks=96, preemption_mode="recompute")),
+        "chat": (make_workload(n(16), prompt_len=chat, output_len=out, seed=seed), {}),
+        "pressure-swap": (make_workload(n(12), prompt_len=chat, output_len=out, seed=seed + 1),
+                          dict(num_kv_blocks=80, preemption_mode="swap")),
+        "pressure-recompute": (make_workload(n(12), prompt_len=chat, output_len=out, seed=seed + 1),
+                               dict(num_kv_blocks=80, preemption_mode="recompute")),
     }  # fmt: skip
+
+
+def serving_workload(seed: int = 200, scale: float = 1.0) -> tuple[SimRequest, ...]:
+    """Held out from the fit, in real time: Poisson arrivals at 0.25 requests/s (seconds, not steps)."""
+    n = lambda k: max(2, round(k * scale))  # noqa: E731
+    chat, out = Lengths("chat"), Lengths("exponential", n(128), low=n(16), high=n(256))
+    return make_workload(n(16), request_rate=0.25, prompt_len=chat, output_len=out, seed=seed)
 
 
 def elapsed(fn) -> float:
@@ -201,6 +214,7 @@ def serve(model, tokenizer, requests: Sequence[SimRequest], **engine_config) -> 
     from pagedlab.sampling_params import SamplingParams
 
     engine = LLMEngine(model, tokenizer, EngineConfig(**{"max_trace_steps": None, **engine_config}))
+    vocab_size = model.get_input_embeddings().num_embeddings
     pending = sorted(enumerate(requests), key=lambda item: item[1].arrival_s)
     arrivals, starts, ends, next_index = {}, [], [], 0
     begin = time.perf_counter()
@@ -212,7 +226,8 @@ def serve(model, tokenizer, requests: Sequence[SimRequest], **engine_config) -> 
         while next_index < len(pending) and pending[next_index][1].arrival_s <= now:
             spec = pending[next_index][1]
             params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
-            engine.add_request(str(next_index), {"prompt_token_ids": list(spec.prompt_token_ids)}, params)
+            prompt = [t % vocab_size for t in spec.prompt_token_ids]
+            engine.add_request(str(next_index), {"prompt_token_ids": prompt}, params)
             arrivals[str(next_index)] = spec.arrival_s
             next_index += 1
         starts.append(time.perf_counter() - begin)

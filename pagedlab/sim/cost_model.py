@@ -3,7 +3,7 @@
     seconds = overhead_s                                  (per step: Python, weights streamed once)
             + prefill_token_s * prefill tokens            (sequences computing more than one token)
             + decode_token_s  * decode tokens             (sequences computing exactly one)
-            + kv_read_s       * KV tokens read            (each decode reads its whole context)
+            + kv_read_s       * KV tokens read            (each sequence's attention reads its whole context)
             + swap_block_s    * blocks swapped out or in  (the batched copies before the forward pass)
 
 `pagedlab bench --workload calibrate` times the real engine step by step on this machine and fits the
@@ -27,14 +27,15 @@ FEATURES = ("overhead", "prefill_tokens", "decode_tokens", "kv_read_tokens", "sw
 
 
 def step_features(scheduled: tuple[ScheduledRequest, ...], num_swapped_blocks: int = 0) -> tuple[float, ...]:
-    """The step's work, in the order of `FEATURES` (a step that computes nothing still pays the overhead)."""
+    """The step's work, in the order of `FEATURES`. KV tokens read: each scheduled sequence's attention reads
+    its whole context, computed tokens and new ones (a step that computes nothing costs nothing but its swaps)."""
     prefill = decode = kv_read = 0
     for s in scheduled:
         if s.num_new_tokens == 1:
             decode += 1
-            kv_read += s.num_computed_tokens + 1
         else:
             prefill += s.num_new_tokens
+        kv_read += s.num_computed_tokens + s.num_new_tokens
     return (1.0 if scheduled else 0.0, prefill, decode, kv_read, num_swapped_blocks)
 
 

@@ -172,7 +172,8 @@ def simulate(
     _check_all(engine, [requests[i] for i in order])
     trace, clock, next_arrival = engine.trace, 0.0, 0
     # Liveness: requests finish one after another, each within a few steps per token (the state machine's bound).
-    limit = max_steps or 10 + 4 * sum((r.num_prompt_tokens + r.output_len + 2) * max(r.n, r.beam_width) for r in requests)
+    work = sum((r.num_prompt_tokens + r.output_len + 2) * max(r.n, r.beam_width) for r in requests)
+    limit = max_steps or 10 + 4 * work
     while next_arrival < len(order) or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             clock = max(clock, requests[order[next_arrival]].arrival_s)  # idle until the next arrival
