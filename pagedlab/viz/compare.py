@@ -10,7 +10,7 @@ from __future__ import annotations
 from matplotlib.axes import Axes
 from matplotlib.collections import PatchCollection
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Rectangle
 
 from pagedlab.sim import metrics
 from pagedlab.viz._common import PNGFigure, new_axes
@@ -36,7 +36,7 @@ def draw_kv_breakdown(trace, ax: Axes | None = None, title: str = "", series: di
     ax.set_xlim(0, times[-1] if times else 1)
     ax.set_xlabel("simulated time (s)", fontsize=8)
     ax.set_ylabel("share of KV slots", fontsize=8)
-    ax.legend(loc="upper right", fontsize=7, frameon=True, framealpha=0.8)
+    ax.legend(loc="upper right", fontsize=8, frameon=True, framealpha=0.8)
     return ax.figure
 
 
@@ -60,9 +60,7 @@ def draw_kv_summary(traces: dict, ax: Axes | None = None, breakdowns: dict | Non
     ax.set_xlim(0, 1)
     ax.invert_yaxis()
     ax.set_xlabel("share of KV slots, time-averaged (grey: free)", fontsize=8)
-    ax.set_title("where the KV memory went", fontsize=9)
-    handles = [Patch(color=KV_COLORS[c], label=c) for c in metrics.KV_CATEGORIES] + [Patch(color=FREE_COLOR, label="free")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=7, frameon=False)
+    ax.set_title("where the KV memory went (colours as on the left)", fontsize=9)
     return ax.figure
 
 
@@ -72,7 +70,7 @@ def _lines(ax, traces: dict, values: dict, ylabel: str, title: str) -> None:
     ax.set_xlabel("simulated time (s)", fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
 
 
 def draw_cdf(traces: dict, field: str, ax: Axes | None = None) -> Figure:
@@ -88,7 +86,7 @@ def draw_cdf(traces: dict, field: str, ax: Axes | None = None) -> Figure:
     ax.set_ylabel("share of requests", fontsize=8)
     ax.set_ylim(0, 1.02)
     ax.set_title(label, fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=8, loc="lower right")
     return ax.figure
 
 
@@ -104,7 +102,7 @@ def draw_preemptions(traces: dict, ax: Axes | None = None) -> Figure:
     ax.set_xticks(range(len(kinds)), kinds, fontsize=8)
     ax.set_ylabel("preempted sequences", fontsize=8)
     ax.set_title("preemptions (contiguous reservations never preempt)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
     return ax.figure
 
 
@@ -138,6 +136,30 @@ def render_comparison(comparison) -> Figure:
         f"preemption {s.preemption_mode}", fontsize=10,
     )  # fmt: skip
     return fig
+
+
+def draw_sweep(xs, series: dict, xlabel: str, ylabel: str, title: str, ax: Axes | None = None, *,
+               logx: bool = False, percent: bool = False) -> Figure:
+    """A measure against a setting, one line per label of `series` (label -> values at `xs`). A label's first
+    word picks the colour (paged, contiguous: their systems'); several lines of one system differ in style."""
+    ax = new_axes(ax, 5.5, 3.2)
+    seen: dict[str, int] = {}
+    for i, (label, ys) in enumerate(series.items()):
+        system = label.split()[0]
+        color = SYSTEM_COLORS.get(system, OKABE_ITO[(i + 2) % len(OKABE_ITO)])
+        k = seen[system] = seen.get(system, -1) + 1  # a second line of one system: dashed, other markers
+        ax.plot(xs, ys, ("-", "--", ":")[k % 3], marker="osD"[k % 3], markersize=4, color=color, label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(xs), [str(x) for x in xs])
+    if percent:
+        ax.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax.figure
 
 
 def draw_arena(trace, index: int, ax: Axes | None = None) -> Figure:

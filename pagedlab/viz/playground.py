@@ -59,7 +59,8 @@ def summary(comparison: Comparison) -> str:
         preempted = sum(metrics.num_preemptions(trace).values())
         lines.append(
             f"{name}: {len(trace.steps)} steps, {metrics.makespan(trace):.1f} s simulated, "
-            f"{metrics.output_throughput(trace):.0f} output tok/s, median TTFT {metrics.median(latencies.ttft_s):.2f} s, "
+            f"{metrics.output_throughput(trace):.0f} output tok/s, "
+            f"median TTFT {metrics.median(latencies.ttft_s):.2f} s, "
             f"median TPOT {metrics.median(latencies.tpot_s):.3f} s, {used:.0%} of the KV slots in use, "
             f"{preempted} preemptions"
         )  # fmt: skip
@@ -99,7 +100,8 @@ class Playground:
             "n": w.IntSlider(value=s.n, min=1, max=8, description="samples n"),
             "preemption_mode": w.ToggleButtons(options=("recompute", "swap", "auto"), value=s.preemption_mode,
                                                description="preemption"),
-            "enable_partial_preemption": w.Checkbox(value=s.enable_partial_preemption, description="partial preemption"),
+            "enable_partial_preemption": w.Checkbox(value=s.enable_partial_preemption,
+                                                    description="partial preemption"),
             "enable_chunked_prefill": w.Checkbox(value=s.enable_chunked_prefill, description="chunked prefill"),
             "enable_prefix_caching": w.Checkbox(value=s.enable_prefix_caching, description="prefix caching"),
             "contiguous_batching": w.ToggleButtons(options=("continuous", "static"), value=s.contiguous_batching,
