@@ -1,4 +1,4 @@
-"""The command line: `pagedlab generate "prompt"` and `pagedlab bench --workload chat`.
+"""The command line: `pagedlab generate "prompt"`, `pagedlab serve` and `pagedlab bench --workload chat`.
 
 Also `python -m pagedlab ...`.
 """
@@ -16,19 +16,99 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate a completion for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
-    gen.add_argument("--model", default=None, help="model name, folder or Hub id (default: the embedded SmolLM2)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--device", default="auto")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("-v", "--verbose", action="store_true", help="log the engine's set-up")
+    _engine_options(gen)
+    _serve_parser(commands)
     _bench_parser(commands)
     return parser
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine's settings, shared by `generate` and `serve` (EngineConfig's names)."""
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--model", default=None, help="model name, folder or Hub id (default: the embedded SmolLM2)")
+    group.add_argument("--dtype", default="auto")
+    group.add_argument("--device", default="auto")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default 256)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048)")
+    group.add_argument("--max-model-len", type=int, default=None, help="prompt + output at most")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    group.add_argument("--gpu-memory-utilization", type=float, default=None)
+    group.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    group.add_argument("--enable-chunked-prefill", action="store_true", default=None)
+    group.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"), default=None,
+                       help="default auto (measures a cost model at start-up)")
+    group.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
+    group.add_argument("--engine-seed", type=int, default=None, help="seed of requests that bring none")
+
+
+_ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
+                  "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
+                  "preemption_mode", "attention_backend")  # fmt: skip
+
+
+def _engine_kwargs(args) -> dict:
+    kwargs = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name) is not None}
+    if args.engine_seed is not None:
+        kwargs["seed"] = args.engine_seed
+    return kwargs
+
+
+def _serve_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
+        description="Serve a model over the OpenAI API with continuous batching. Binds to 127.0.0.1 unless told.",
+    )  # fmt: skip
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model name, folder or Hub id (default: the embedded SmolLM2)")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (or set PAGEDLAB_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve.add_argument("-v", "--verbose", action="store_true", help="log the engine's set-up")
+    _engine_options(serve)
+
+
+def _serve(args) -> int:
+    import os
+    import signal
+
+    from pagedlab.engine import LLMEngine
+    from pagedlab.entrypoints.openai.api_server import bind_socket, build_app, run_server
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model
+    api_key = args.api_key or os.environ.get("PAGEDLAB_API_KEY") or None
+    # A server runs for days: it keeps no record of every step (record_trace is for the chapters).
+    engine = LLMEngine.from_pretrained(model, dtype=args.dtype, device=args.device, record_trace=False,
+                                       **_engine_kwargs(args))  # fmt: skip
+    name = args.served_model_name or model or "smollm2-135m-instruct"
+    app = build_app(engine, name, api_key)
+    sock = bind_socket(args.host, args.port)  # port 0: a free one, printed below
+    host, port = sock.getsockname()[:2]
+    print(f"pagedlab serve: {name} on http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "
+          f"{engine.stats().num_kv_blocks} KV blocks){'; API key required' if api_key else ''}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
+    # this one notes it, so the command exits with 0 after a clean shutdown instead of dying by the signal.
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    run_server(app, sock=sock, log_level=args.log_level)
+    how = f" on {signal.Signals(received[0]).name}" if received else ""
+    print(f"pagedlab serve: shut down cleanly{how}", file=sys.stderr, flush=True)
+    return 0
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -60,16 +140,29 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--repeats", type=int, default=1, help="runs per pagedlab system (median time)")
     bench.add_argument("--hf-repeats", type=int, default=1, help="runs per Hugging Face comparator")
-    bench.add_argument("--hf-batch-size", type=_ints, default=(8, 32, 64), help="hf-static batch sizes (best reported)")
+    bench.add_argument("--hf-batch-size", type=_ints, default=(8, 16, 32, 64, 128),
+                       help="hf-static batch sizes (the best of those whose KV fits in pagedlab's budget is reported)")
     bench.add_argument("--max-num-seqs", type=int, default=256)
     bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
     bench.add_argument("--block-size", type=int, default=16)
     bench.add_argument("--scale", type=float, default=1.0, help="nano-vllm: shrink lengths and request count")
     bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
+    bench.add_argument("--endpoint", default=None,
+                       help="serving: measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) over HTTP; "
+                            "default: in process and over HTTP against `pagedlab serve` started on a free port")
+    bench.add_argument("--serving-via", type=_names, default=("in-process", "http"),
+                       help="serving without --endpoint: in-process, http or both (default)")
     bench.add_argument("--sweep-max-num-seqs", type=_ints, default=(), help="chat/nano-vllm: e.g. 8,32,128,256")
     bench.add_argument("--overhead-sizes", type=_ints, default=(256, 1024), help="overhead: running sequences")
     bench.add_argument("--capacity-reservations", type=_ints, default=(4, 8, 16, 32),
                        help="capacity: KV budgets, as numbers of max_model_len reservations")
+    bench.add_argument("--decode-dtypes", type=_names, default=("float32", "bfloat16"), help="decode: dtypes")
+    bench.add_argument("--decode-batch-sizes", type=_ints, default=(16, 64, 256), help="decode: batch sizes")
+    bench.add_argument("--decode-contexts", type=_ints, default=(128, 512, 2048), help="decode: context lengths")
+    bench.add_argument("--decode-max-kv-gib", type=float, default=None,
+                       help="decode: skip steps whose KV cache is larger (default: a quarter of the RAM)")
+    bench.add_argument("--decode-clock", choices=("wall", "cpu"), default="wall",
+                       help="decode: wall time, or process CPU time (with --threads 1 on a shared machine)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("-v", "--verbose", action="store_true", help="log the engines' set-up")
@@ -87,9 +180,12 @@ def _bench(args) -> int:
         progress=not args.no_progress, compare=args.compare, num_requests=args.num_requests, repeats=args.repeats,
         hf_repeats=args.hf_repeats, batch_sizes=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, scale=args.scale,
-        request_rates=args.request_rate, sweep_max_num_seqs=args.sweep_max_num_seqs,
+        request_rates=args.request_rate, endpoint=args.endpoint, serving_via=args.serving_via,
+        sweep_max_num_seqs=args.sweep_max_num_seqs,
         overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1],
-        capacity_reservations=args.capacity_reservations, seed=args.seed,
+        capacity_reservations=args.capacity_reservations, decode_dtypes=args.decode_dtypes,
+        decode_batch_sizes=args.decode_batch_sizes, decode_contexts=args.decode_contexts,
+        decode_max_kv_gib=args.decode_max_kv_gib, decode_clock=args.decode_clock, seed=args.seed,
     )  # fmt: skip
     print(report.text())
     print(f"[results written to {args.out}/]", file=sys.stderr)
@@ -105,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.verbose:
         hf_logging.disable_progress_bar()  # a command line tool: no loading bars on stderr
+    if args.command == "serve":
+        try:
+            return _serve(args)
+        except (ValueError, OSError) as error:
+            print(f"pagedlab: error: {error}", file=sys.stderr)
+            return 2
     if args.command == "bench":
         if not args.verbose:
             hf_logging.set_verbosity_error()  # generate()'s notes on generation flags would drown the table
@@ -119,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             max_tokens=args.max_tokens,
         )  # fmt: skip
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, **_engine_kwargs(args))
         start = time.perf_counter()
         tokenizer = llm.get_tokenizer()
         if args.raw or not getattr(tokenizer, "chat_template", None):

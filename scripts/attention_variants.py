@@ -11,6 +11,8 @@ Times are per layer and include the variant's once-per-step preparation divided 
     bucketed    pagedlab's CPU path: requests sorted by length, one padded gather + SDPA per length bucket
     live+loop   gather only live slots once, then one SDPA per request on its slice (no padding)
     per-seq     one index_select of the request's blocks and one SDPA per request
+    bucket-gqa  bucketed, with SDPA's own grouped-query attention (enable_gqa=True, K/V heads not folded)
+    kernel      the C++ kernel that reads blocks in place (pagedlab.worker.cpu_attention), what the engine runs
     flex        torch.compile'd flex_attention reading the paged cache in place through a block mask (--flex)
 
 --prefill also times one request's causal prefill SDPA with 3-D and with 4-D (batch of 1) inputs: the same
@@ -35,10 +37,13 @@ from pagedlab.worker.model_runner import keep_freed_memory
 NUM_LAYERS = 30  # SmolLM2-135M: 30 layers, 9 query heads over 3 KV heads of 64
 
 
-def make_step(batch, q_heads, kv_heads, head_dim, block_size, max_len, dtype, seed=0):
+def make_step(batch, q_heads, kv_heads, head_dim, block_size, max_len, dtype, seed=0, fixed_len=None):
     """A random paged cache with `batch` decodes of random lengths in [20, max_len], blocks shuffled."""
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(20, max_len + 1, (batch,), generator=g)
+    if fixed_len is None:
+        lens = torch.randint(20, max_len + 1, (batch,), generator=g)
+    else:
+        lens = torch.full((batch,), fixed_len)
     blocks_per_seq = (lens + block_size - 1) // block_size
     num_blocks = int(blocks_per_seq.sum()) + 1
     physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 is the padding block
@@ -159,14 +164,52 @@ def flex(tables, lens, block_size):
     return attend
 
 
-VARIANTS = {"reference": reference, "bucketed": bucketed, "live+loop": live_loop, "per-seq": per_seq}
+def bucket_gqa(tables, lens, block_size):
+    """As bucketed, but the query keeps its q_heads and SDPA maps them onto the KV heads (enable_gqa)."""
+    from pagedlab.worker.attention import _gather
+
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    sorted_meta = metadata_for([tables[i] for i in order], [lens[i] for i in order], block_size)
+    buckets = sorted_meta.decode_buckets(block_size, None)
+    inverse = torch.argsort(torch.tensor(order))
+
+    def attend(q, kc, vc, scale):
+        q = q[order]
+        out = torch.empty_like(q)
+        for b in buckets:
+            k = _gather(kc, b.block_tables).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
+            v = _gather(vc, b.block_tables).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[b.start : b.end, :, None], k, v, attn_mask=b.mask, scale=scale,
+                                               enable_gqa=True)  # fmt: skip
+            out[b.start : b.end] = o[:, :, 0]
+        return out[inverse]
+
+    return attend
+
+
+def kernel(tables, lens, block_size):
+    from pagedlab.worker import cpu_attention
+
+    module = cpu_attention.load().module
+    if module is None:
+        raise RuntimeError(f"no C++ kernel here: {cpu_attention.load().error}")
+    max_blocks = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    lens_t = torch.tensor(lens)
+    return lambda q, kc, vc, scale: cpu_attention.paged_decode_cpu(q, kc, vc, padded, lens_t, scale, None,
+                                                                   module=module)
+
+
+VARIANTS = {"reference": reference, "bucketed": bucketed, "live+loop": live_loop, "per-seq": per_seq,
+            "bucket-gqa": bucket_gqa, "kernel": kernel}
 
 
 
 def run(batch, dtype, args):
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     q_heads, kv_heads, head_dim, block_size = 9, 3, 64, args.block_size
-    query, kc, vc, tables, lens = make_step(batch, q_heads, kv_heads, head_dim, block_size, args.max_len, dtype)
+    query, kc, vc, tables, lens = make_step(batch, q_heads, kv_heads, head_dim, block_size, args.max_len, dtype,
+                                            fixed_len=args.fixed_len)
     scale = head_dim**-0.5
     variants = dict(VARIANTS)
     if args.flex:
@@ -232,6 +275,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--dtype", nargs="+", default=["float32"])
     parser.add_argument("--max-len", type=int, default=700, help="context lengths are uniform in [20, max-len]")
+    parser.add_argument("--fixed-len", type=int, default=None, help="every context this long (else random)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--flex", action="store_true", help="also time torch.compile'd flex_attention")

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pagedlab.bench import COMPARATORS, WORKLOADS, run_benchmark
-from pagedlab.bench import metrics, suites, workloads
+from pagedlab.bench import metrics, suites, systems, workloads
 from pagedlab.bench.report import Table
 from tests.conftest import tiny_model
 
@@ -18,6 +18,7 @@ TINY = dict(
     num_requests=3, prompt_len=(5, 30), output_mean=6, output_len=(2, 12), batch_sizes=(2,), max_num_seqs=8,
     max_num_batched_tokens=256, prefix_len=48, prefix_max_tokens=3, sharing_prompt_len=20, sharing_max_tokens=4,
     sharing_n=3, beam_width=2, request_rates=(100.0,), overhead_sizes=(8, 16), overhead_real_sizes=(8,), scale=0.03,
+    decode_probe_mib=16,
 )  # fmt: skip
 
 
@@ -51,8 +52,11 @@ def test_chat_with_every_comparator_and_sweep(tmp_path):
     reference = by_system["pagedlab"].token_ids
     assert by_system["pagedlab-contiguous"].token_ids == reference  # same runner, same greedy tokens
     assert [len(t) for t in by_system["hf-cb"].token_ids] == [len(t) for t in reference]
+    rows = {row["system"]: row for row in report.tables["chat"].rows}
+    assert rows["pagedlab-contiguous"]["same_tokens"] == 1.0 and rows["pagedlab"]["vs_pagedlab"] == "1.00x"
     for row in report.tables["chat"].rows:
-        assert row["output_tok_s"] > 0 and row["linear_flops_frac"] > 0
+        assert row["output_tok_s"] > 0 and row["linear_flops_frac"] > 0 and row["peak_kv_mb"] > 0
+        assert 0 <= row["same_tokens"] <= 1 and row["vs_pagedlab"].replace("tie (", "").rstrip(")").endswith("x")
     paths = report.save(tmp_path)
     assert {p.name for p in paths} >= {"chat.json", "chat.txt", "chat_throughput.png", "chat_kv_utilization.png",
                                        "chat_sweep_max_num_seqs.png"}  # fmt: skip
@@ -89,11 +93,26 @@ def test_pressure_preempts_and_keeps_outputs():
     assert all(row["outputs_identical"] for row in squeezed)
 
 
-def test_serving_reports_latencies():
-    report = _run("serving")
+def test_serving_in_process_and_over_http_against_its_own_server():
+    report = _run("serving", request_rates=(100.0, 1000.0))
     _check_tables(report, ["serving"])
-    row = report.tables["serving"].rows[0]
-    assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+    rows = report.tables["serving"].rows
+    assert [row["system"] for row in rows] == ["pagedlab (in-process)", "pagedlab serve (HTTP)"] * 2
+    for row in rows:
+        assert row["failed"] == 0 and 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
+    assert len({r.num_output_tokens for r in report.results}) == 1  # every request got all its tokens
+    assert "serving_latency.png" in report.plots
+
+
+def test_serving_against_an_endpoint_measures_it_over_http_only():
+    from pagedlab.engine import LLMEngine
+    from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
+
+    engine = LLMEngine(tiny_model(), None, systems.engine_config(max_num_seqs=8))
+    with ServerThread(build_app(engine, "tiny")) as server:
+        report = _run("serving", endpoint=server.url)
+    (row,) = report.tables["serving"].rows
+    assert row["system"] == server.url and row["failed"] == 0 and row["output_tok_s"] > 0
 
 
 def test_overhead():
@@ -110,6 +129,42 @@ def test_capacity():
     for row in report.tables["capacity"].rows:
         assert row["contiguous_peak"] == row["kv_slots"] // (30 + 12)  # one max_model_len reservation each
         assert row["paged_peak"] > row["contiguous_peak"] and row["ratio_mean"] > 1
+
+
+def test_decode_reports_attention_against_the_memory():
+    report = _run("decode", decode_dtypes=("float32", "bfloat16"), decode_batch_sizes=(2,), decode_contexts=(8, 40),
+                  repeats=2)  # fmt: skip
+    _check_tables(report, ["decode"])
+    rows = report.tables["decode"].rows
+    assert [(r["dtype"], r["context"]) for r in rows] == [("float32", 8), ("float32", 40), ("bfloat16", 8),
+                                                         ("bfloat16", 40)]  # fmt: skip
+    config = tiny_model().config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * 4  # float32 bytes per token, K and V, every layer
+    assert rows[1]["kv_read_mb"] == pytest.approx(2 * 40 * per_token / 1e6)
+    for row in rows:
+        assert row["step_ms"] > 0 and row["no_attention_ms"] > 0 and row["read_gb_s"] > 0
+
+
+def test_decode_step_kernel_and_torch_path_agree():
+    """The decode workload's step gives the same logits with the C++ kernel and with the torch path."""
+    import contextlib
+
+    import torch
+
+    from pagedlab.bench.decode import DecodeStep, attention_implementation, cpu_kernel_off
+    from pagedlab.worker.attention import ATTENTION_NAME, PagedAttentionContext
+
+    model = tiny_model()
+    step = DecodeStep.build(model, batch=3, context=37, block_size=4)
+    logits = []
+    with torch.inference_mode():
+        for switch in (contextlib.nullcontext(), cpu_kernel_off()):
+            context = PagedAttentionContext(step.metadata, step.kv_cache.clone(), "torch")
+            with switch, attention_implementation(model, ATTENTION_NAME):
+                logits.append(model(input_ids=step.input_ids[None], position_ids=step.positions[None],
+                                    use_cache=False, pagedlab_context=context).logits)  # fmt: skip
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_names_are_refused():

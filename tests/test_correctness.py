@@ -44,52 +44,75 @@ def drain(engine: LLMEngine, max_steps: int) -> dict:
 # -- 0. beam search under recompute preemption --------------------------------------------------------------
 
 # Found by a random search over tight pools: about one configuration in six hung with recompute preemption.
-HUNG = [
+FITS = [  # the beam searches fit the cache (even if not all at once): they finish with the roomy result
     dict(block_size=2, num_kv_blocks=25, lengths=[2, 8], beam_width=6, max_tokens=6),  # the issue's
-    dict(block_size=1, num_kv_blocks=19, lengths=[4], beam_width=5, max_tokens=8),  # one request alone
     dict(block_size=1, num_kv_blocks=15, lengths=[8, 6, 4], beam_width=3, max_tokens=5),
     dict(block_size=4, num_kv_blocks=10, lengths=[2, 9, 4], beam_width=5, max_tokens=4),
+    dict(block_size=1, num_kv_blocks=28, lengths=[1, 2, 9], beam_width=4, max_tokens=8),
+]
+TOO_BIG = [  # a beam search outgrows the whole cache even alone: it fails at once, saying so; the others finish
+    dict(block_size=1, num_kv_blocks=19, lengths=[4], beam_width=5, max_tokens=8),
     dict(block_size=2, num_kv_blocks=12, lengths=[9, 8], beam_width=6, max_tokens=4),
 ]
 
 
-@pytest.mark.parametrize("case", HUNG, ids=[f"bs{c['block_size']}-nb{c['num_kv_blocks']}" for c in HUNG])
-def test_beam_search_under_recompute_finishes_with_the_roomy_result(model, case):
+def beam_case(model, case):
     case = dict(case)
     lengths = case.pop("lengths")
     params = BeamSearchParams(beam_width=case.pop("beam_width"), max_tokens=case.pop("max_tokens"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=len(lengths))]
     roomy = LLM(model, block_size=case["block_size"], num_kv_blocks=512).beam_search(prompts, params)
-    llm = LLM(model, preemption_mode="recompute", **case)
-    engine = llm.llm_engine
+    engine = LLM(model, preemption_mode="recompute", **case).llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_beam_request(f"b{i}", prompt, params)
-    finished = drain(engine, max_steps=500)
-    assert engine.stats().num_preemptions > 0, "the case no longer preempts: it tests nothing"
+    return prompts, roomy, drain(engine, max_steps=500), engine
+
+
+@pytest.mark.parametrize("case", FITS, ids=[f"bs{c['block_size']}-nb{c['num_kv_blocks']}" for c in FITS])
+def test_beam_search_under_recompute_finishes_with_the_roomy_result(model, case):
+    prompts, roomy, finished, _ = beam_case(model, case)
     for i, expected in enumerate(roomy):
         completions = finished[f"b{i}"].outputs
         assert [c.token_ids for c in completions] == [s.tokens[len(prompts[i]["prompt_token_ids"]):]
                                                       for s in expected.sequences]  # fmt: skip
 
 
+def test_recompute_restarts_a_beam_search_and_reaches_the_same_beams(model):
+    """Two beam searches in a pool that holds one at a time: the newer is preempted by recompute (it starts
+    again from its prompt, as the trace shows) and still ends with the roomy result."""
+    case = dict(block_size=1, num_kv_blocks=28, lengths=[1, 2, 9], beam_width=4, max_tokens=8)
+    prompts, roomy, finished, engine = beam_case(model, case)
+    assert engine.stats().num_preemptions_recompute > 0
+    assert any(record.restarted for record in engine.trace), "no beam search was restarted"
+    for i, expected in enumerate(roomy):
+        got = [c.cumulative_logprob for c in finished[f"b{i}"].outputs]
+        assert got == pytest.approx([s.cum_logprob for s in expected.sequences], rel=1e-5)  # other batches, other sums
+
+
+@pytest.mark.parametrize("case", TOO_BIG, ids=[f"bs{c['block_size']}-nb{c['num_kv_blocks']}" for c in TOO_BIG])
+def test_a_beam_search_too_big_for_the_cache_fails_at_once(model, case):
+    _, _, finished, engine = beam_case(model, case)
+    failed = [o for o in finished.values() if o.outputs[0].finish_reason == "error"]
+    assert len(failed) == 1 and "even alone" in failed[0].outputs[0].error
+    assert all(len(o.outputs) == case["beam_width"] for o in finished.values() if o not in failed)
+    assert engine.stats().num_steps < 50
+
+
 def test_a_failed_beam_request_reports_its_error(model, monkeypatch):
     llm = LLM(model, block_size=4, num_kv_blocks=64)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 7])]
     execute = type(llm.llm_engine.model_runner).execute
-    calls = {"n": 0}
 
-    def failing(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
+    def failing(self, scheduled):
+        if any(s.group_id == "0" and s.num_computed_tokens > 0 for s in scheduled):
             raise RuntimeError("the device fell over")
-        return execute(self, *args, **kwargs)
+        return execute(self, scheduled)
 
     monkeypatch.setattr(type(llm.llm_engine.model_runner), "execute", failing)
-    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4))
-    assert len(outputs) == 2
-    for output in outputs:
-        assert [s.finish_reason for s in output.sequences] == ["error"]
-        assert "the device fell over" in output.sequences[0].error
+    failed, fine = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4))
+    assert [s.finish_reason for s in failed.sequences] == ["error"]
+    assert "the device fell over" in failed.sequences[0].error and failed.sequences[0].cum_logprob is None
+    assert len(fine.sequences) == 2 and all(s.finish_reason == "length" for s in fine.sequences)
     assert llm.stats().num_used_blocks == 0
 
 
@@ -100,8 +123,8 @@ def test_copy_source_is_not_reallocated_before_the_copy_runs():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     kv.allocate_slots("a", 2)  # block 0, half full
     kv.fork("a", "b")  # b shares block 0
-    kv.allocate_slots("b", 3, write_from=2)  # b writes into the shared block: copy 0 -> 1 is pending
-    [(_, source, copy)] = kv.take_copies()  # the step's copies, for the worker to run before its forward
+    allocation = kv.allocate_slots("b", 3, write_from=2)  # b writes into the shared block: copy 0 -> 1 is pending
+    source, copy = allocation.copy  # made by the worker before the step's forward pass
     kv.free("a")  # the last other holder of block 0 leaves in the same step (finished, preempted, ...)
     new = kv.allocate_slots("c", 8)  # another request takes two blocks in the same step: all that is free
     assert new is None or source not in new, f"block {source} was handed out before it was copied to {copy}"
@@ -279,10 +302,12 @@ def test_retained_memory_does_not_grow(model, record_trace):
 
     tracemalloc.start()
     try:
-        serve(0)
-        first = serve(1)
-        for batch in range(2, 5):
-            last = serve(batch)
+        for batch in range(100):  # until the trace's window is full
+            first = serve(batch)
+            if batch >= 1 and (not record_trace or len(engine.trace) == engine.config.max_trace_steps):
+                break
+        for later in range(batch + 1, batch + 4):
+            last = serve(later)
     finally:
         tracemalloc.stop()
     assert last - first < 32 * 1024, f"retained memory grew by {(last - first) / 1024:.0f} KiB over 1,500 requests"

@@ -7,8 +7,8 @@
 `run_benchmark` loads the model once (or takes one: a tiny model without a tokenizer gets token-id prompts),
 runs the workload's systems, and returns a `BenchmarkReport` of tables, raw results and plots; with `out_dir`
 it also writes `<workload>.json`, the tables as `<workload>.txt` and the plots as PNG. Modules: `workloads`
-(what is asked), `systems` (who answers), `metrics`, `roofline`, `overhead` (what is measured), `suites`
-(one function per workload), `report` (text, JSON, plots).
+(what is asked), `systems` (who answers), `metrics`, `roofline`, `overhead`, `memory`, `decode` (what is
+measured), `suites` (one function per workload), `report` (text, JSON, plots).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pagedlab.bench.report import Table
 
 __all__ = ["BenchOptions", "BenchmarkReport", "run_benchmark", "WORKLOADS", "COMPARATORS"]
 
-WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity", "calibrate")
+WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity", "decode",
+             "calibrate")
 COMPARATORS = ("hf-static", "hf-cb", "pagedlab-contiguous")
 
 
@@ -35,7 +36,7 @@ class BenchOptions:
     compare: tuple[str, ...] = ()
     repeats: int = 1  # pagedlab systems (calibrate: at least 3)
     hf_repeats: int = 1  # the slow Hugging Face comparators
-    batch_sizes: tuple[int, ...] = (8, 32, 64)  # hf-static: the best of these is reported
+    batch_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)  # hf-static: the best of those that fit is reported
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -51,10 +52,18 @@ class BenchOptions:
     sharing_n: int = 8
     beam_width: int = 4
     request_rates: tuple[float, ...] = (1.0,)  # serving
+    serving_via: tuple[str, ...] = ("in-process", "http")  # serving: straight into the engine, and/or over HTTP
+    endpoint: str | None = None  # serving: an OpenAI-compatible server to measure (HTTP only), else our own
     sweep_max_num_seqs: tuple[int, ...] = ()  # chat / nano-vllm
     overhead_sizes: tuple[int, ...] = (256, 1024)
     overhead_real_sizes: tuple[int, ...] = (256,)  # where a real step is timed for the share
     capacity_reservations: tuple[int, ...] = (4, 8, 16, 32)  # capacity: KV budgets, in max_model_len reservations
+    decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # decode: one attention-vs-memory grid per dtype
+    decode_batch_sizes: tuple[int, ...] = (16, 64, 256)
+    decode_contexts: tuple[int, ...] = (128, 512, 2048)
+    decode_max_kv_gib: float | None = None  # decode: skip steps whose KV cache is larger (default: RAM / 4)
+    decode_probe_mib: int = 1024  # decode: the tensor summed to measure the read bandwidth
+    decode_clock: str = "wall"  # decode: "wall", or "cpu" (process CPU time: one thread on a shared machine)
 
 
 @dataclass
@@ -188,9 +197,12 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"unknown comparator(s) {sorted(unknown)}; choose from {', '.join(COMPARATORS)}")
     device = resolve_device(device)
+    by_name = model is None or isinstance(model, str)  # then a server process can load it too
+    model_source = model if by_name else None
     model, tokenizer = load_model(model, tokenizer, resolve_dtype(dtype, device), device)
     report = BenchmarkReport(workload, "", machine_info(model), options)
     bench = Bench(model, tokenizer, options, report, progress)
+    bench.model_source, bench.model_by_name, bench.threads = model_source, by_name, torch.get_num_threads()
     with torch.inference_mode():  # one warm-up forward: first-call costs are no system's
         model(torch.zeros((1, 8), dtype=torch.long, device=device))
     try:

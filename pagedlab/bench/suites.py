@@ -6,15 +6,14 @@ results and plots to it. Table columns are fixed per workload (`COLUMNS`), whate
 
 from __future__ import annotations
 
-import dataclasses
-import random
-
 from pagedlab.bench import COMPARATORS, metrics, overhead, report, systems, workloads
+from pagedlab.bench import calibrate as calibrate_suite
+from pagedlab.bench import serving as serving_suite
 from pagedlab.bench.report import Table
 
 SYSTEM_COLUMNS = (
-    "system", "requests", "time_s", "output_tok_s", "total_tok_s", "requests_s", "peak_seqs", "kv_util",
-    "preemptions", "linear_flops_frac",
+    "system", "requests", "time_s", "time_range_s", "output_tok_s", "vs_pagedlab", "total_tok_s", "peak_seqs",
+    "kv_util", "peak_kv_mb", "peak_rss_mb", "same_tokens", "preemptions", "linear_flops_frac",
 )  # fmt: skip
 COLUMNS = {
     "chat": SYSTEM_COLUMNS,
@@ -23,18 +22,20 @@ COLUMNS = {
                "hit_rate", "outputs_identical"),
     "sharing": ("mode", "requests", "sequences", "output_tokens", "time_s", "output_tok_s", "peak_blocks_shared",
                 "peak_blocks_unshared", "saving"),
-    "pressure": ("preemption_mode", "kv_blocks", "time_s", "output_tok_s", "preemptions", "by_recompute", "by_swap",
-                 "by_partial", "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "outputs_identical"),
-    "serving": ("request_rate", "requests", "time_s", "output_tok_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
-                "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "itl_mean_s", "itl_p50_s", "itl_p99_s"),
+    "pressure": ("preemption_mode", "kv_blocks", "time_s", "time_range_s", "vs_recompute", "output_tok_s",
+                 "preemptions", "by_recompute", "by_swap", "by_partial", "swapped_out_blocks", "swapped_in_blocks",
+                 "recomputed_tokens", "outputs_identical"),
+    "serving": serving_suite.COLUMNS,
     "overhead": ("num_seqs", "scheduler_ms_per_step", "real_step_ms", "share_of_step", "meets_5pct_target"),
     "capacity": ("kv_slots", "contiguous_peak", "contiguous_mean", "paged_peak", "paged_mean", "ratio_peak",
                  "ratio_mean", "paged_preemptions", "meets_3x_target"),
     "sweep": ("max_num_seqs", "time_s", "output_tok_s", "peak_seqs", "kv_util"),
-    "calibrate": ("coefficient", "value"),
-    "calibrate_error": ("workload", "fitted", "steps", "measured_s", "predicted_s", "total_error",
-                        "median_step_error", "p90_step_error", "repeats_spread"),
-    "calibrate_serving": ("metric", "simulated", "real", "error"),
+    "decode": ("dtype", "batch", "context", "kv_read_mb", "step_ms", "step_range_ms", "no_attention_ms",
+               "attention_ms", "attention_gb_s", "read_gb_s", "fraction_of_read", "torch_path_ms",
+               "torch_path_fraction"),
+    "calibrate": calibrate_suite.COLUMNS,
+    "calibrate_error": calibrate_suite.ERROR_COLUMNS,
+    "calibrate_serving": calibrate_suite.SERVING_COLUMNS,
 }  # fmt: skip
 
 
@@ -56,8 +57,42 @@ def _chat_workload(bench) -> workloads.Workload:
 # -- system tables (chat, nano-vllm) --------------------------------------------------------------------------
 
 
+def _range(values) -> str:
+    return f"{min(values):.3g}-{max(values):.3g}"
+
+
+def versus(reference, result) -> str:
+    """reference's output tokens/s over result's: 'N.NNx', or 'tie (N.NNx)' when their time ranges overlap
+    (a difference within the run-to-run spread is no conclusion)."""
+    ratio = result.elapsed_s / reference.elapsed_s
+    overlap = min(result.elapsed_runs) <= max(reference.elapsed_runs) and min(reference.elapsed_runs) <= max(
+        result.elapsed_runs)
+    return f"tie ({ratio:.2f}x)" if overlap and result is not reference else f"{ratio:.2f}x"
+
+
+def same_tokens(reference, result) -> float | None:
+    """The share of requests whose generated tokens equal the reference's (greedy, fixed lengths)."""
+    if not result.token_ids or len(result.token_ids) != len(reference.token_ids):
+        return None
+    return sum(a == b for a, b in zip(reference.token_ids, result.token_ids)) / len(reference.token_ids)
+
+
+def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: int) -> tuple[list[int], list[int]]:
+    """The hf-static batch sizes whose modelled KV cache (left-padded rows grown to the batch's longest output)
+    fits in `num_slots` token slots, pagedlab's budget; and those that do not."""
+    fit, over = [], []
+    for bs in sorted({min(bs, len(workload.requests)) for bs in batch_sizes}):
+        peak = max(max(s.allocated for s in metrics.static_batch_kv(
+            [r.num_prompt_tokens for r in batch], [r.max_tokens for r in batch]))
+            for batch in (workload.requests[i : i + bs] for i in range(0, len(workload.requests), bs)))  # fmt: skip
+        (fit if peak <= num_slots else over).append(bs)
+    return fit, over
+
+
 def system_table(bench, workload: workloads.Workload, name: str) -> list:
     """Run pagedlab and the comparators on `workload`; return their results (hf-static: every batch size)."""
+    from pagedlab.worker.kv_cache import KVCacheSpec
+
     o = bench.options
     paged = bench.run("pagedlab", lambda bar: systems.run_pagedlab(
         bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(bench, workload)))
@@ -70,38 +105,56 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                 bench.model, bench.tokenizer, workload, num_slots=num_slots, max_model_len=workload.max_len,
                 max_batch_size=o.max_num_seqs, repeats=o.repeats, bar=bar)))
         elif system == "hf-static":
+            fit, over = _static_batches_fit(workload, o.batch_sizes, num_slots)
             runs = [bench.run(f"hf-static(bs={bs})", lambda bar, bs=bs: systems.run_hf_static(
                 bench.model, workload, batch_size=bs, pad_token_id=bench.pad_token_id, repeats=o.hf_repeats, bar=bar))
-                for bs in sorted({min(bs, len(workload.requests)) for bs in o.batch_sizes})]  # fmt: skip
+                for bs in fit]  # fmt: skip
             best = min(runs, key=lambda r: r.elapsed_s)
             results.append(best)
             hf_static_runs = runs
-            if len(runs) > 1:
-                bench.note(name, "hf-static: best of batch sizes " + ", ".join(
-                    f"{r.extra['batch_size']} ({r.output_tokens_per_s:.1f} tok/s)" for r in runs))
+            bench.note(name, "hf-static: best of batch sizes " + ", ".join(
+                f"{r.extra['batch_size']} ({r.output_tokens_per_s:.1f} tok/s)" for r in runs)
+                + (f"; {', '.join(map(str, over))} left out: their KV cache would not fit in pagedlab's "
+                   f"{num_slots} slots" if over else ""))  # fmt: skip
         elif system == "hf-cb":
             results.append(bench.run(system, lambda bar: systems.run_hf_cb(
                 bench.model, workload, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
-                num_slots=num_slots, repeats=o.hf_repeats, bar=bar)))
+                num_slots=num_slots, page_size=o.block_size, repeats=o.hf_repeats, bar=bar)))
         else:
             raise ValueError(f"unknown comparator {system!r}; choose from {', '.join(COMPARATORS)}")
+    param = next(bench.model.parameters())
+    bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, param.dtype).bytes_per_token
+    roofline_batch = o.max_num_seqs
     table = Table(f"{name}: throughput per system", COLUMNS[name])
     for result in results:
-        batch = result.steady_batch or paged.steady_batch
-        frac = bench.roofline.fraction(result.total_tokens_per_s, result.output_tokens_per_s, batch)
+        frac = bench.roofline.fraction(result.total_tokens_per_s, result.output_tokens_per_s, roofline_batch)
         result.flops_fraction = frac
         table.add(system=result.system, requests=result.num_requests, time_s=result.elapsed_s,
-                  output_tok_s=result.output_tokens_per_s, total_tok_s=result.total_tokens_per_s,
-                  requests_s=result.requests_per_s, peak_seqs=result.peak_num_seqs, kv_util=result.kv_utilization,
-                  preemptions=result.num_preemptions, linear_flops_frac=frac)  # fmt: skip
-    machine = bench.roofline.machine_flops
-    table.notes.append(
-        f"times: median of {o.repeats} run(s) for pagedlab systems, {o.hf_repeats} for Hugging Face ones; "
-        f"linear_flops_frac: 2 x linear params x tokens/s over torch matmul FLOP/s at the same shapes and the "
-        f"steady batch ({', '.join(f'{b}: {f / 1e9:.1f} GFLOP/s' for b, f in sorted(machine.items()))})"
-    )  # fmt: skip
-    table.notes.append(f"KV budget: {num_slots} token slots for every system; max_num_seqs {o.max_num_seqs}, "
-                       f"max_model_len {workload.max_len}")  # fmt: skip
+                  time_range_s=_range(result.elapsed_runs), output_tok_s=result.output_tokens_per_s,
+                  vs_pagedlab=versus(paged, result) if result is not paged else "1.00x",
+                  total_tok_s=result.total_tokens_per_s, peak_seqs=result.peak_num_seqs,
+                  kv_util=result.kv_utilization,
+                  peak_kv_mb=result.peak_kv_slots * bytes_per_token / 1e6 if result.peak_kv_slots else None,
+                  peak_rss_mb=result.peak_rss_bytes / 1e6 if result.peak_rss_bytes is not None else None,
+                  same_tokens=same_tokens(paged, result), preemptions=result.num_preemptions,
+                  linear_flops_frac=frac)  # fmt: skip
+    machine = bench.roofline.machine(roofline_batch)
+    table.notes += [
+        f"times: median of {o.repeats} run(s) for pagedlab systems, {o.hf_repeats} for Hugging Face ones, min-max "
+        "in time_range_s; vs_pagedlab: pagedlab's output tok/s over the system's, 'tie' where the time ranges "
+        "overlap",
+        "kv_util and peak_kv_mb: measured from pagedlab's and the contiguous engine's block tables; for hf-static "
+        "modelled (left-padded rows grown to the batch's longest output, as its DynamicCache does); for hf-cb its "
+        "cache as allocated up front (kv_util not observable); peak_rss_mb: resident memory the run added, sampled",
+        "same_tokens: share of requests whose greedy tokens equal pagedlab's (hf-static pads prompts on the left "
+        "and hf-cb runs other kernels, so float rounding may flip a near-tie and everything after it)",
+        f"linear_flops_frac: 2 x linear params x tokens/s (lm_head: output tokens only), one definition for every "
+        f"system, over torch matmul FLOP/s on the model's linear shapes at {roofline_batch} rows "
+        f"({machine / 1e9:.1f} GFLOP/s)",
+        f"KV budget: {num_slots} token slots for every system; max_num_seqs {o.max_num_seqs}, max_model_len "
+        f"{workload.max_len}; hf-cb: pages of {o.block_size} tokens, warmed up on "
+        f"{systems.HF_CB_WARMUP_REQUESTS} requests",
+    ]  # fmt: skip
     bench.add_table(name, table)
     bench.add_plot(f"{name}_throughput.png", lambda path: report.plot_throughput(
         path, f"{name}: output tokens/s", [r.system for r in results], [r.output_tokens_per_s for r in results]))
@@ -245,14 +298,17 @@ def pressure(bench) -> None:
     rows = [("ample KV", need, "recompute", {})] + [(m, pool, m, {}) for m in modes]
     if has_partial:  # partial preemption: the victim gives up only its tail blocks and recomputes them
         rows += [(f"partial + {m}", pool, m, {"enable_partial_preemption": True}) for m in ("recompute", "auto")]
-    reference = None
+    reference, recompute = None, None
     for label, blocks, mode, extra in rows:
         r = bench.run(f"pressure {label}", lambda bar, b=blocks, m=mode, x=extra: systems.run_pagedlab(
             bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(
                 bench, workload, num_kv_blocks=b, preemption_mode=m, swap_space=swap_gib, **x)))  # fmt: skip
         reference = reference or r.token_ids
+        recompute = recompute or (r if label == "recompute" else None)
         s = r.extra["stats"]
-        table.add(preemption_mode=label, kv_blocks=blocks, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
+        table.add(preemption_mode=label, kv_blocks=blocks, time_s=r.elapsed_s, time_range_s=_range(r.elapsed_runs),
+                  vs_recompute=versus(r, recompute) if recompute is not None and r is not recompute else None,
+                  output_tok_s=r.output_tokens_per_s,
                   preemptions=s.get("num_preemptions"), by_recompute=s.get("num_preemptions_recompute"),
                   by_swap=s.get("num_preemptions_swap"), by_partial=s.get("num_preemptions_partial"),
                   swapped_out_blocks=s.get("num_swapped_out_blocks"),
@@ -260,7 +316,9 @@ def pressure(bench) -> None:
                   outputs_identical=r.token_ids == reference)  # fmt: skip
     if not has_modes:
         table.notes.append("this engine has no preemption_mode option: only recompute preemption was measured")
-    table.notes.append(f"swap space {swap_gib:.3g} GiB (room for every block); outputs compared with the ample run")
+    table.notes.append(f"swap space {swap_gib:.3g} GiB (room for every block); outputs compared with the ample run; "
+                       f"times: median of {o.repeats} run(s), min-max in time_range_s; vs_recompute: how many times "
+                       "faster than whole recompute preemption, 'tie' where the time ranges overlap")  # fmt: skip
     bench.add_table("pressure", table)
     labels = [row["preemption_mode"] for row in table.rows]
     values = [row["output_tok_s"] for row in table.rows]
@@ -272,31 +330,10 @@ def pressure(bench) -> None:
 
 
 def serving(bench) -> None:
-    o = bench.options
+    """In process and over HTTP (`pagedlab.bench.serving`)."""
     workload = _chat_workload(bench)
     bench.describe(workload)
-    table = Table("serving: Poisson arrivals through LLMEngine.add_request / step", COLUMNS["serving"])
-    for rate in o.request_rates:
-        rng = random.Random(o.seed)
-        arrivals, t = [], 0.0
-        for _ in workload.requests:
-            arrivals.append(t)
-            t += rng.expovariate(rate)
-        r = bench.run(f"serving {rate} req/s", lambda bar, a=arrivals: systems.run_pagedlab(
-            bench.model, bench.tokenizer, workload, arrivals=a, repeats=o.repeats, bar=bar,
-            **_engine_options(bench, workload)))  # fmt: skip
-        ttft, tpot, itl = (metrics.Summary.of(r.extra[k]) for k in ("ttft_s", "tpot_s", "itl_s"))
-        table.add(request_rate=rate, requests=r.num_requests, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
-                  ttft_mean_s=ttft.mean, ttft_p50_s=ttft.p50, ttft_p99_s=ttft.p99, tpot_mean_s=tpot.mean,
-                  tpot_p50_s=tpot.p50, tpot_p99_s=tpot.p99, itl_mean_s=itl.mean, itl_p50_s=itl.p50,
-                  itl_p99_s=itl.p99)  # fmt: skip
-    table.notes.append("ttft: arrival to first token; tpot: per output token after the first; itl: between tokens")
-    bench.add_table("serving", table)
-    if len(table.rows) > 1:
-        xs = [row["request_rate"] for row in table.rows]
-        series = {k: (xs, [row[f"{k}_p50_s"] for row in table.rows]) for k in ("ttft", "tpot")}
-        bench.add_plot("serving_latency.png", lambda path: report.plot_lines(
-            path, "serving: median latency vs request rate", "requests/s", "seconds", series))
+    serving_suite.run(bench, workload, _engine_options(bench, workload))
 
 
 # -- scheduler overhead ---------------------------------------------------------------------------------------
@@ -358,45 +395,61 @@ def capacity(bench) -> None:
         logx=True))  # fmt: skip
 
 
-# -- calibrate: the simulator's step cost model, fitted to this engine on this machine ------------------------------
+# -- decode attention against the memory ---------------------------------------------------------------------
 
 
-def calibrate(bench) -> None:
-    from pagedlab.sim.calibration_run import run_calibration
+def decode(bench) -> None:
+    import torch
 
+    from pagedlab.bench import decode as decode_bench
+    from pagedlab.worker import cpu_attention
     o = bench.options
-    repeats = max(3, o.repeats)
-    bench.describe(None, f"the simulator's step cost model fitted to the engine's step times (median of {repeats} "
-                         "repeats), and its error on held-out workloads")  # fmt: skip
-    bar = bench.bar("calibrate")
-    calibration, measured = run_calibration(bench.model, bench.tokenizer, repeats, o.scale, o.seed,
-                                            progress=bar.set_description if bar is not None else None)  # fmt: skip
-    table = Table("calibrate: seconds per step = sum of coefficient x feature", COLUMNS["calibrate"])
-    for name, value in dataclasses.asdict(calibration.step_cost).items():
-        table.add(coefficient=name, value=value)
-    table.notes.append("written to calibration.json; copy it to pagedlab/sim/calibration.json to ship it")
-    bench.add_table("calibrate", table)
-    errors = Table("calibrate: predicted against measured step times (sum of per-step medians)",
-                   COLUMNS["calibrate_error"])  # fmt: skip
-    for name, e in calibration.error["steps"].items():
-        errors.add(workload=name, fitted=e["fitted"], steps=e["num_steps"], measured_s=e["total_measured_s"],
-                   predicted_s=e["total_predicted_s"], total_error=e["total_error"],
-                   median_step_error=e["median_abs_step_error"], p90_step_error=e["p90_abs_step_error"],
-                   repeats_spread=calibration.noise[name]["total_spread"])  # fmt: skip
-    errors.notes.append("errors are relative; repeats_spread: (slowest - fastest) / median of the repeats' totals")
-    bench.add_table("calibrate_error", errors)
-    serving = calibration.error["serving"]
-    table = Table("calibrate: real-time Poisson arrivals, engine against simulator", COLUMNS["calibrate_serving"])
-    for metric, value in serving["simulated"].items():
-        table.add(metric=metric, simulated=value, real=", ".join(f"{run[metric]:.3g}" for run in serving["real"]),
-                  error=", ".join(f"{e:+.1%}" for e in serving["error"][metric]))  # fmt: skip
-    bench.add_table("calibrate_serving", table)
-    bench.add_plot("calibration.json", calibration.save)  # not a plot: add_plot writes any file
-    steps = {name: dataclasses.asdict(times) for name, times in measured.items()}
-    bench.add_plot("calibration_steps.json", lambda path: report.write_json(path, steps))
+    if o.decode_clock not in decode_bench.CLOCKS:
+        raise ValueError(f"decode_clock must be one of {sorted(decode_bench.CLOCKS)}, got {o.decode_clock!r}")
+    dtypes = [getattr(torch, name) for name in o.decode_dtypes]
+    max_kv = int(o.decode_max_kv_gib * 2**30) if o.decode_max_kv_gib else decode_bench.physical_memory() // 4
+    bench.describe(None, f"one decode step at batch {', '.join(map(str, o.decode_batch_sizes))} x context "
+                         f"{', '.join(map(str, o.decode_contexts))}, {', '.join(o.decode_dtypes)}: attention "
+                         "against the machine's read bandwidth")  # fmt: skip
+    build = cpu_attention.load() if next(bench.model.parameters()).device.type == "cpu" else None
+    bar = bench.bar("decode")
+    if bar is not None:
+        bar.reset(total=len(dtypes) * len(o.decode_batch_sizes) * len(o.decode_contexts))
+    results, skipped = decode_bench.measure(bench.model, dtypes, o.decode_batch_sizes, o.decode_contexts,
+                                            o.block_size, max(1, o.repeats), max_kv, clock=o.decode_clock,
+                                            probe_bytes=o.decode_probe_mib << 20, bar=bar)  # fmt: skip
+    table = Table("decode: one engine decode step vs the same forward without attention", COLUMNS["decode"])
+    for r in results:
+        attention = r.attention_s()
+        steps = r.times["step"]
+        torch_path = r.times.get("torch path")
+        table.add(dtype=r.dtype, batch=r.batch, context=r.context, kv_read_mb=r.kv_read_bytes / 1e6,
+                  step_ms=1e3 * r.median("step"), step_range_ms=f"{1e3 * min(steps):.0f}-{1e3 * max(steps):.0f}",
+                  no_attention_ms=1e3 * r.median("no attention"), attention_ms=1e3 * attention,
+                  attention_gb_s=r.kv_read_bytes / attention / 1e9 if attention > 0 else None,
+                  read_gb_s=metrics.median(r.read_bandwidth) / 1e9, fraction_of_read=r.fraction(),
+                  torch_path_ms=1e3 * r.median("torch path") if torch_path else None,
+                  torch_path_fraction=r.fraction("torch path") if torch_path else None)  # fmt: skip
+    kernel = "n/a (not CPU)" if build is None else (
+        f"C++ kernel {'compiled' if build.compiled else 'loaded from cache'} in {build.seconds:.1f} s"
+        if build.module is not None else f"C++ kernel unavailable ({build.error}): the torch path ran")
+    table.notes += [
+        f"medians of {max(1, o.repeats)} interleaved rounds; attention = step - no_attention; kv_read: K and V of "
+        f"every context token in every layer; read_gb_s: a {o.decode_probe_mib} MiB float32 tensor summed between "
+        "the same rounds; "
+        f"{torch.get_num_threads()} threads; {o.decode_clock} clock; block size {o.block_size}, blocks scattered "
+        "over the pool",
+        f"decode attention: {kernel}; torch_path: the same step with PAGEDLAB_CPU_KERNEL=0 (gather + SDPA)",
+        "goal: fraction_of_read >= 0.5 at batch 64, context 512",
+    ]
+    if skipped:
+        table.notes.append(f"skipped (KV cache over {max_kv / 2**30:.1f} GiB, --decode-max-kv-gib): "
+                           + "; ".join(skipped))  # fmt: skip
+    bench.add_table("decode", table)
 
 
 RUNNERS = {
     "chat": chat, "nano-vllm": nano_vllm, "prefix": prefix, "sharing": sharing, "pressure": pressure,
-    "serving": serving, "overhead": scheduler_overhead, "capacity": capacity, "calibrate": calibrate,
+    "serving": serving, "overhead": scheduler_overhead, "capacity": capacity, "decode": decode,
+    "calibrate": calibrate_suite.run,
 }  # fmt: skip

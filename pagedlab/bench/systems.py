@@ -4,9 +4,11 @@
   running sequences and KV slots per step;
 - pagedlab-contiguous: `ContiguousEngine`, static batches over one contiguous reservation per request;
 - hf-static: Hugging Face `generate` over static, left-padded batches, each run to its longest output;
-- hf-cb: Hugging Face continuous batching (`continuous_batching_context_manager`), per-request lengths.
+- hf-cb: Hugging Face continuous batching (`continuous_batching_context_manager`), per-request lengths, on
+  the same KV budget, pages of the same size and the same step budgets as pagedlab, warmed up first.
 All are greedy and ignore EOS, so each request gets exactly its `max_tokens`. Only generation is timed, not
-building an engine or warming it up.
+building an engine or warming it up. Each run also records the resident memory it added (`PeakRSS`) and the
+most KV token slots it held at once (`peak_kv_slots`; modelled for hf-static, allocated up front for hf-cb).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedlab.bench import metrics
+from pagedlab.bench.memory import PeakRSS
 from pagedlab.bench.workloads import Workload
 
 _PREEMPTION_STATS = (
@@ -44,6 +47,8 @@ class RunResult:
     flops_fraction: float | None = None
     extra: dict = field(default_factory=dict)  # system-specific numbers (engine stats, latencies, ...)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    peak_kv_slots: int | None = None  # most KV token slots held at once
+    peak_rss_bytes: int | None = None  # most resident memory the run added (largest over repeats)
 
     @property
     def elapsed_s(self) -> float:
@@ -67,12 +72,16 @@ def _base(system: str, workload: Workload) -> RunResult:
 
 
 def _repeat(run: Callable[[], RunResult], repeats: int) -> RunResult:
-    """Run `repeats` times; keep the last run's numbers and every run's time."""
-    times, result = [], None
+    """Run `repeats` times; keep the last run's numbers, every run's time and the largest memory peak."""
+    times, result, peaks = [], None, []
     for _ in range(max(1, repeats)):
-        result = run()
+        with PeakRSS() as peak:
+            result = run()
         times.extend(result.elapsed_runs)
+        if peak.extra_bytes is not None:
+            peaks.append(peak.extra_bytes)
     result.elapsed_runs = times
+    result.peak_rss_bytes = max(peaks) if peaks else None
     return result
 
 
@@ -142,6 +151,7 @@ def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system
     result.elapsed_runs = [elapsed]
     result.kv_per_step = metrics.kv_samples(trace)
     result.kv_utilization = metrics.utilization(result.kv_per_step)
+    result.peak_kv_slots = max((k.allocated for k in result.kv_per_step), default=0)
     result.peak_num_seqs = max((len(r.running) for r in trace.steps), default=0)
     result.num_preemptions = stats.num_preemptions
     result.steady_batch = round(metrics.median([r.num_batched_tokens for r in trace.steps if r.scheduled]))
@@ -196,9 +206,12 @@ def run_contiguous(model, tokenizer, workload: Workload, *, num_slots: int, max_
             bar.update(len(prompts))
         result = _base("pagedlab-contiguous", workload)
         result.elapsed_runs = [elapsed]
-        result.kv_per_step = [metrics.KVSample(r.reserved, r.used, r.reserved, n)
+        # live: every token a reservation holds, a finished request's included (as for hf-static's rows);
+        # FragmentationReport.used alone counts only requests still running
+        result.kv_per_step = [metrics.KVSample(r.reserved, r.used + r.held_after_finish, r.reserved, n)
                               for r, n in zip(out.reports, out.num_running)]  # fmt: skip
-        result.kv_utilization = out.summary.utilization
+        result.kv_utilization = metrics.utilization(result.kv_per_step)
+        result.peak_kv_slots = max((k.allocated for k in result.kv_per_step), default=0)
         result.peak_num_seqs = out.peak_num_seqs
         result.num_preemptions = 0
         result.steady_batch = round(metrics.median(list(out.num_running)))
@@ -245,7 +258,8 @@ def run_hf_static(model, workload: Workload, *, batch_size: int, pad_token_id: i
         result = _base(f"hf-static(bs={batch_size})", workload)
         result.elapsed_runs = [elapsed]
         result.kv_per_step = kv
-        result.kv_utilization = metrics.utilization(kv)
+        result.kv_utilization = metrics.utilization(kv)  # modelled: DynamicCache rows, left-padded
+        result.peak_kv_slots = max((k.allocated for k in kv), default=0)  # modelled likewise
         result.peak_num_seqs = max(len(b) for b in batches)
         result.num_preemptions = 0
         result.steady_batch = batch_size
@@ -257,43 +271,59 @@ def run_hf_static(model, workload: Workload, *, batch_size: int, pad_token_id: i
     return _repeat(once, repeats)
 
 
+# How hf-cb is configured, and why (the Hugging Face docs give no CPU recipe; these follow its config's own
+# descriptions): pages of pagedlab's block size (16) instead of the default 256, which on prompts of 20-400
+# tokens reserves up to 256 slots per request and fits fewer of them in the same budget; the same KV budget,
+# step budgets and request limit as pagedlab; prefix sharing off (pagedlab's prefix caching is off by
+# default); SDPA attention, the model's own (flash kernels do not exist on CPU; `auto_switch_to_flash` finds
+# none); no torch.compile (`default_compile_level=0`, its default, as pagedlab compiles nothing); and one
+# untimed warm-up session over a few requests, so first-call costs land outside the timing.
+HF_CB_WARMUP_REQUESTS = 4
+
+
 def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_tokens: int, num_slots: int,
-              page_size: int = 256, repeats: int = 1, bar=None) -> RunResult:  # fmt: skip
+              page_size: int = 16, repeats: int = 1, bar=None) -> RunResult:  # fmt: skip
     """Hugging Face continuous batching over the same KV budget (`num_slots` tokens) and step budgets as
-    pagedlab, one request per prompt with its own max_new_tokens and EOS disabled (eos_token_id=-1). Its prefix
-    sharing is off, as pagedlab's prefix caching is by default."""
+    pagedlab, one request per prompt with its own max_new_tokens and EOS disabled (eos_token_id=-1)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    def once() -> RunResult:
+    def session(requests, timed_bar=None) -> tuple[dict, float, ContinuousBatchingConfig]:
         config = ContinuousBatchingConfig(
             page_size=page_size, num_blocks=max(num_slots // page_size, 1), max_batch_tokens=max_num_batched_tokens,
-            max_requests_per_batch=max_num_seqs, allow_block_sharing=False,
+            max_requests_per_batch=max_num_seqs, allow_block_sharing=False, default_compile_level=0,
         )  # fmt: skip
         generation_config = GenerationConfig(do_sample=False, max_new_tokens=workload.max_len, eos_token_id=-1,
                                              pad_token_id=0)  # fmt: skip
         results = {}
-        if bar is not None:
-            bar.reset(total=len(workload.requests))
         with model.continuous_batching_context_manager(generation_config=generation_config,
                                                        continuous_batching_config=config, block=True, timeout=5) as m:
             start = time.perf_counter()
             ids = [m.add_request(list(r.prompt_token_ids), request_id=f"r{i}", max_new_tokens=r.max_tokens,
-                                 eos_token_id=-1) for i, r in enumerate(workload.requests)]  # fmt: skip
+                                 eos_token_id=-1) for i, r in enumerate(requests)]  # fmt: skip
             while len(results) < len(ids):
                 out = m.get_result(timeout=1)
                 if out is not None and out.is_finished():
                     results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+                    if timed_bar is not None:
+                        timed_bar.update(1)
                 elif out is None and not m.is_running():
                     raise RuntimeError("Hugging Face's continuous batching thread stopped early")
             elapsed = time.perf_counter() - start
+        return {i: results[i] for i in ids}, elapsed, config
+
+    def once() -> RunResult:
+        session(workload.requests[:HF_CB_WARMUP_REQUESTS])  # warm-up, untimed
+        if bar is not None:
+            bar.reset(total=len(workload.requests))
+        results, elapsed, config = session(workload.requests, bar)
         result = _base("hf-cb", workload)
         result.elapsed_runs = [elapsed]
-        result.token_ids = [list(results[i].generated_tokens) for i in ids]
-        result.steady_batch = None  # not observable from outside; the report uses pagedlab's
-        result.extra = {"page_size": page_size, "num_blocks": config.num_blocks}
+        result.token_ids = [list(out.generated_tokens) for out in results.values()]
+        result.steady_batch = None  # not observable from outside
+        result.peak_kv_slots = config.num_blocks * page_size  # allocated up front
+        result.extra = {"page_size": page_size, "num_blocks": config.num_blocks,
+                        "warmup_requests": HF_CB_WARMUP_REQUESTS}  # fmt: skip
         return result
 
     return _repeat(once, repeats)

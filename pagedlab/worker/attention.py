@@ -15,9 +15,10 @@ themselves, after any context already in the cache):
              decodes        prefill 0        prefill 1
 
 `decode_attention` is the reference: every decode's blocks gathered, padded to the longest, one masked SDPA.
-The forward pass runs `bucketed_decode_attention`, the same arithmetic over runs of decodes of similar length
-(the model runner sends decodes longest first), which on CPU gathers about half the keys on a chat workload
-and keeps each bucket's gathered K and V small enough to still be in cache when SDPA reads them.
+On CPU the forward pass runs a C++ kernel that reads the blocks where they lie (`cpu_attention.py`, built at
+first use); where it cannot be built, `bucketed_decode_attention`: the same arithmetic as the reference over
+runs of decodes of similar length (the model runner sends decodes longest first), which gathers about half
+the keys on a chat workload and keeps each bucket's gathered K and V small enough to stay in cache for SDPA.
 The Triton kernels in `pagedlab.kernels` compute the same thing; this file is their reference.
 
 # Explained in chapters/03_paged_attention.ipynb
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from pagedlab.worker import cpu_attention
 
 ATTENTION_NAME = "pagedlab"
 
@@ -253,8 +256,15 @@ def paged_attention_forward(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q (a transposed view)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        buckets = metadata.decode_buckets(key_cache.shape[1], sliding_window)
-        bucketed_decode_attention(q[:num_decodes], key_cache, value_cache, buckets, scaling, out=out[:num_decodes])
+        decode_q, decode_out = q[:num_decodes], out[:num_decodes]
+        kernel = cpu_attention.kernel() if cpu_attention.supports(decode_q, key_cache) else None
+        if kernel is not None:  # blocks read in place, no gather
+            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+            cpu_attention.paged_decode_cpu(decode_q, key_cache, value_cache, metadata.decode_block_tables,
+                                           metadata.decode_context_lens, scale, sliding_window, decode_out, kernel)
+        else:
+            buckets = metadata.decode_buckets(key_cache.shape[1], sliding_window)
+            bucketed_decode_attention(decode_q, key_cache, value_cache, buckets, scaling, out=decode_out)
     for chunk in metadata.prefills:
         rows = slice(chunk.start, chunk.end)
         out[rows] = prefill_attention(

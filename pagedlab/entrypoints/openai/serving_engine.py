@@ -1,0 +1,187 @@
+"""What the completion and chat endpoints share: errors in OpenAI's shape, the model check, adding a
+request to `AsyncLLM` with bad input turned into a 400, Server-Sent Events, and logprobs in OpenAI's shape.
+
+An error is `{"error": {"message", "type", "param", "code"}}` with the HTTP status as OpenAI gives it: 400
+for input the engine refuses (its ValueError, whatever the check), 404 for an unknown model, 500 for a
+request the engine failed. The engine's per-token logprobs, `{token_id: logprob}` (the chosen token and the
+top k), become OpenAI's legacy completion format or its chat format.
+
+# Explained in chapters/13_serving.ipynb
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from pagedlab.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagedlab.outputs import RequestOutput
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                500: "internal_server_error", 503: "service_unavailable"}  # fmt: skip
+
+
+class OpenAIError(Exception):
+    """An error to send back as OpenAI's error object, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code if code is not None else status}}
+
+
+def sse(data: dict | str) -> str:
+    """One Server-Sent Event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class OpenAIServing:
+    """The parts of an endpoint that do not depend on its format."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                              "model", "model_not_found")  # fmt: skip
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+    @staticmethod
+    def sampling_params(request, max_tokens: int | None, logprobs: int | None):
+        """The request's `SamplingParams`; a value the engine refuses is a 400 naming it."""
+        try:
+            return request.sampling_params(max_tokens, logprobs)
+        except ValueError as error:
+            raise OpenAIError(400, str(error)) from error
+
+    async def add_requests(self, request_id: str, prompts: Sequence, params) -> list[RequestStream]:
+        """Add one engine request per prompt; if the engine refuses one, abort the others and raise a 400."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+        except (ValueError, TypeError) as error:
+            close_all(streams)
+            raise OpenAIError(400, str(error)) from error
+        except EngineDeadError as error:
+            close_all(streams)
+            raise OpenAIError(503, str(error)) from error
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
+    # -- logprobs ------------------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int,
+                            text_offset: int) -> dict:  # fmt: skip
+        """OpenAI's legacy format: tokens, token_logprobs, top_logprobs, text_offset."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in zip(token_ids, logprobs):
+            token = self.token_text(token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(entry.get(token_id))
+            top = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+            out["top_logprobs"].append({self.token_text(t): lp for t, lp in top} | {token: entry.get(token_id)})
+            out["text_offset"].append(text_offset)
+            text_offset += len(token)
+        return out
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict:
+        """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            top = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+            content.append(self._chat_token(token_id, entry.get(token_id)) | {
+                "top_logprobs": [self._chat_token(t, lp) for t, lp in top]})  # fmt: skip
+        return {"content": content}
+
+    def _chat_token(self, token_id: int, logprob: float | None) -> dict:
+        token = self.token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def usage(num_prompt: int, num_output: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+
+
+def close_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+def raise_if_failed(output: RequestOutput) -> None:
+    """A request the engine failed (finish_reason "error") becomes a 500 naming the error."""
+    for completion in output.outputs:
+        if completion.finish_reason == "error":
+            raise OpenAIError(500, f"the engine failed this request: {completion.error or 'unknown error'}")
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, delta) from several streams as they come; one stream is read directly."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output, None))
+        except Exception as error:  # noqa: BLE001 - handed to the reader
+            await queue.put((i, None, error))
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield i, output
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def engine_error(error: BaseException) -> OpenAIError:
+    """An exception while waiting for the engine, as the error to send."""
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(503, str(error))
+    return OpenAIError(500, f"{type(error).__name__}: {error}")

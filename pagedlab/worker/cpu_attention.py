@@ -1,0 +1,169 @@
+"""CPU decode attention that reads the paged KV cache in place: a small C++ kernel, built at first use.
+
+`paged_decode_cpu(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, out)`
+computes what `decode_attention` (attention.py, the reference) computes, without gathering the blocks first:
+the kernel (csrc/paged_decode_cpu.cpp) walks each sequence's block table and reads K and V once, where they
+lie. It is compiled with the system's C++ compiler and OpenMP through `torch.utils.cpp_extension` the first
+time it is asked for (vLLM's CPU backend also builds C++ attention; pagedlab builds it lazily so that a
+`pip install` needs no compiler), and cached in ~/.cache/pagedlab/torch_extensions under a name that hashes
+the source, the flags, torch's version and the CPU, so later processes load it in about a second (a first
+build took 38-98 s on a busy 2-core machine).
+Where it cannot be built (no compiler, no OpenMP) one warning says so and `kernel()` returns None: the
+caller then runs the torch path. PAGEDLAB_CPU_KERNEL=0 in the environment turns the kernel off.
+
+# Explained in chapters/03_paged_attention.ipynb
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedlab")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+CACHE_DIR = Path(os.environ.get("PAGEDLAB_CACHE", Path.home() / ".cache" / "pagedlab")) / "torch_extensions"
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """What loading the kernel gave: the module (None if it could not be built), why not, and the cost."""
+
+    module: object | None
+    error: str | None
+    seconds: float  # compiling (first use) or loading from the cache
+    compiled: bool  # True if this process compiled it, False if it came from the cache
+
+
+def compiler_flags() -> list[str]:
+    # Reassociating float sums lets the compiler vectorise the dot products' final additions (a tree, not
+    # sixteen additions in a row); nothing else of -ffast-math, which would also flush denormals process-wide.
+    flags = ["-O3", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")  # built on the machine that runs it, so its own vector units
+    elif platform.machine() in ("aarch64", "arm64"):
+        flags.append("-mcpu=native")
+    return flags
+
+
+def _cpu_signature() -> str:
+    """The CPU the build is for (-march=native): its model and feature flags, as the OS reports them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def build_name() -> str:
+    """The extension's name: one per source text, flags, torch version and CPU, so a cache never goes stale."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_text(), " ".join(compiler_flags()), torch.__version__, _cpu_signature()):
+        digest.update(part.encode())
+    return f"pagedlab_paged_decode_cpu_{digest.hexdigest()[:16]}"
+
+
+def _disabled() -> bool:
+    return os.environ.get("PAGEDLAB_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+@functools.cache  # one build per process: a loaded extension cannot be unloaded, so this is its handle
+def load() -> KernelBuild:
+    """Compile (first use on this machine) or load (afterwards) the kernel; never raises."""
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    directory = CACHE_DIR / name
+    compiled = not any(directory.glob("*.so"))
+    start = time.perf_counter()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory / "lock")
+        flags = compiler_flags()
+        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                    build_directory=str(directory), verbose=False)  # fmt: skip
+    except Exception as error:  # no compiler, no OpenMP, no ninja, a read-only home...: the torch path runs
+        message = _first_error(error)
+        warnings.warn(
+            f"pagedlab: the C++ CPU attention kernel could not be built ({message}); decode attention runs on "
+            "the slower torch path (gather + SDPA). Install a C++ compiler with OpenMP (gcc, g++) to use it.",
+            RuntimeWarning, stacklevel=2,
+        )  # fmt: skip
+        return KernelBuild(None, message, time.perf_counter() - start, False)
+    seconds = time.perf_counter() - start
+    logger.info("C++ CPU attention kernel %s in %.1f s (%s)", "compiled" if compiled else "loaded", seconds, directory)
+    return KernelBuild(module, None, seconds, compiled)
+
+
+STALE_LOCK_S = 600  # a first build takes one or two minutes; a lock this old is from a build that was killed
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove the lock of a build that was interrupted (Ctrl-C, a killed process): torch's builder would wait
+    for it forever. A lock younger than STALE_LOCK_S may be another process building now, and is kept."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale build lock left by an interrupted build: %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _first_error(error: Exception) -> str:
+    """The line of a build failure that says what went wrong (the compiler's first error, if it printed one)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    for line in lines:
+        if "error" in line.lower() and "subcommand failed" not in line:
+            return line[:300]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def kernel():
+    """The compiled kernel module, or None where it is turned off or could not be built."""
+    if _disabled():
+        return None
+    return load().module
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: on CPU, float32/bfloat16/float16, cache contiguous."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and key_cache.dtype == query.dtype
+        and key_cache.is_contiguous()
+        and query.stride(-1) == 1
+    )
+
+
+def paged_decode_cpu(
+    query: torch.Tensor,  # [num_seqs, q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    context_lens: torch.Tensor,  # [num_seqs] int64
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor | None = None,
+    module=None,
+) -> torch.Tensor:
+    """Decode attention by the C++ kernel (`module`, default `kernel()`); raises RuntimeError if unavailable."""
+    module = module or kernel()
+    if module is None:
+        raise RuntimeError("the C++ CPU attention kernel is not available (see the warning from its build)")
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    block_tables = block_tables.to(torch.long).contiguous()  # no copy when they already are
+    context_lens = context_lens.to(torch.long).contiguous()
+    module.paged_decode(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
+                        int(sliding_window or 0))  # fmt: skip
+    return out
