@@ -75,6 +75,7 @@ class Playground:
 
         self.calibration = calibration
         self.comparison: Comparison | None = None
+        self.num_runs = 0  # runs that drew; the status line names the latest
         s = settings or Settings()
         w, wide = widgets, {"description_width": "initial"}
         self.controls = {
@@ -137,14 +138,17 @@ class Playground:
 
     def run(self) -> None:
         """Simulate the controls' settings and redraw; a setting that cannot run says why in the status line."""
+        self.status.value = "running…"
         try:
             comparison = experiment.run(self.settings(), self.calibration)
         except ValueError as error:
             self.status.value = f"<span style='color:#B00'>{html.escape(str(error))}</span>"
             return
         self.comparison = comparison
+        self.num_runs += 1
         self.plots.value = to_png(render_comparison(comparison))
-        self.status.value = "<br>".join(html.escape(line) for line in summary(comparison).splitlines())
+        lines = [f"run {self.num_runs}:", *summary(comparison).splitlines()]
+        self.status.value = "<br>".join(html.escape(line) for line in lines)
         last = len(comparison.paged.steps) - 1
         self.step.max, self.step.value = last, min(self.step.value, last)
         self.show_step(self.step.value)
