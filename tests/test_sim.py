@@ -270,3 +270,19 @@ def test_run_compares_paged_and_contiguous_on_the_same_workload():
             (("paged", paged), ("contiguous", contiguous))}  # fmt: skip
     assert used["paged"] > used["contiguous"]
     assert run(Settings(num_requests=40, request_rate=4.0, kv_slots=4096)) == comparison  # pure
+
+
+def test_the_readme_states_the_shipped_calibrations_error():
+    """The README's statement of the cost model's error is `error_summary` of the shipped calibration, which
+    is a real measurement (not the placeholder), with held-out workloads and real-time serving errors."""
+    from pathlib import Path
+
+    from pagedlab.sim.calibration_run import error_summary
+
+    calibration = load_calibration()
+    assert not calibration.machine.get("placeholder"), "ship a calibration from `pagedlab bench --workload calibrate`"
+    assert any(not e["fitted"] for e in calibration.error["steps"].values()) and calibration.error["serving"]["real"]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("<!-- calibration: error_summary(load_calibration()) -->\n")
+    stated = readme[readme.index("\n", start) + 1 : readme.index("\n<!-- /calibration -->")]
+    assert stated == error_summary(calibration), "README.md: paste error_summary(load_calibration()) in again"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 from pagedlab.core.preemption import PreemptionCostModel
 from pagedlab.sim import calibrate as cal
@@ -81,3 +82,32 @@ def run_calibration(model, tokenizer, repeats: int = 3, scale: float = 1.0, seed
         {name: cal.noise(times) for name, times in measured.items()}, {"steps": errors, "serving": serving},
     )  # fmt: skip
     return calibration, measured
+
+
+def error_summary(calibration: Calibration) -> str:
+    """The calibration's coefficients and errors in Markdown: what chapter 14 shows and the README states
+    (tests/test_sim.py checks that the README's copy is this text for the shipped calibration)."""
+    c, m = calibration.step_cost, calibration.machine
+    steps, serving = calibration.error["steps"], calibration.error["serving"]
+    spread = max(n["total_spread"] for n in calibration.noise.values())
+    percents = lambda values: ", ".join(f"{e:+.0%}" for e in values)  # noqa: E731
+    threads, model = m.get("threads"), Path(str(m.get("model"))).name
+    lines = [
+        f"Measured on {m.get('cpu', 'this CPU')} with {threads} torch thread{'' if threads == 1 else 's'}, {model} in "
+        f"{m.get('dtype')}: a step costs {1e3 * c.overhead_s:.1f} ms, plus {1e3 * c.prefill_token_s:.2f} ms per "
+        f"prefill token, {1e3 * c.decode_token_s:.2f} ms per decode token and {1e6 * c.kv_read_s:.2f} µs per KV "
+        f"token read (swapping a block out or in: {1e3 * c.swap_block_s:.2f} ms).",
+        "",
+        "| workload | fitted on | steps | measured (s) | simulated (s) | total error | median step error |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ] + [f"| {name} | {'yes' if e['fitted'] else 'no (held out)'} | {e['num_steps']} | {e['total_measured_s']:.1f} | "
+         f"{e['total_predicted_s']:.1f} | {e['total_error']:+.0%} | {e['median_abs_step_error']:.0%} |"
+         for name, e in sorted(steps.items(), key=lambda item: not item[1]["fitted"])] + [
+        "",
+        f"In real time (held out: Poisson arrivals, {len(serving['real'])} runs of the engine), the simulated median "
+        f"time to first token is off by {percents(serving['error']['ttft_p50_s'])}, the median time per output "
+        f"token by {percents(serving['error']['tpot_p50_s'])}, and the time to serve everything by "
+        f"{percents(serving['error']['makespan_s'])}. The repeats of one workload differed by up to {spread:.0%} "
+        "in total time: that is the noise any comparison stands on.",
+    ]  # fmt: skip
+    return "\n".join(lines)

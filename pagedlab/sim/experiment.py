@@ -24,7 +24,7 @@ from pagedlab.sim.workload import Lengths, SimRequest, make_workload
 class Settings:
     # the workload
     num_requests: int = 200
-    request_rate: float = 8.0  # requests per second (math.inf: all at once)
+    request_rate: float = 0.4  # requests per second (math.inf: all at once); near what the calibrated engine serves
     burstiness: float = 1.0  # 1: Poisson; below 1: bursts
     prompt_kind: str = "uniform"
     prompt_mean: int = 160  # uniform: from 1/4 to 7/4 of it
