@@ -131,7 +131,7 @@ def render_comparison(comparison) -> Figure:
     draw_preemptions(traces, axes[2][2])
     s = comparison.settings
     fig.suptitle(
-        f"{len(comparison.requests)} requests at {s.request_rate:g}/s; KV budget {s.kv_slots} slots, block size "
+        f"{len(comparison.requests)} requests at {s.request_rate:.3g}/s; KV budget {s.kv_slots} slots, block size "
         f"{s.block_size}; max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens}; "
         f"preemption {s.preemption_mode}", fontsize=10,
     )  # fmt: skip
