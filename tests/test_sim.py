@@ -286,3 +286,13 @@ def test_the_readme_states_the_shipped_calibrations_error():
     start = readme.index("<!-- calibration: error_summary(load_calibration()) -->\n")
     stated = readme[readme.index("\n", start) + 1 : readme.index("\n<!-- /calibration -->")]
     assert stated == error_summary(calibration), "README.md: paste error_summary(load_calibration()) in again"
+
+
+def test_the_pressure_validation_workloads_preempt_at_full_scale():
+    """What `pagedlab bench --workload calibrate` validates swapping and recomputing on does preempt (simulated:
+    the simulator is the engine's scheduler)."""
+    for name, mode in (("pressure-swap", "num_swapped_out_blocks"), ("pressure-recompute", "num_preemptions")):
+        requests, config = calibrate.validation_workloads(100, 1.0)[name]
+        max_model_len = max(r.num_prompt_tokens + r.output_len for r in requests)
+        trace = simulate(requests, cost_model=STEP, max_model_len=max_model_len, **config)
+        assert trace.stats[mode] > 0, name

@@ -180,7 +180,8 @@ def fit_workloads(seed: int = 0, scale: float = 1.0) -> dict[str, tuple[tuple[Si
 
 def validation_workloads(seed: int = 100, scale: float = 1.0) -> dict[str, tuple[tuple[SimRequest, ...], dict]]:
     """Held out from the fit: chat-like requests all at once, and a tight pool that preempts by swapping or by
-    recomputing (prompts as the chat benchmark's, outputs exponential with mean 128 clipped to [16, 256])."""
+    recomputing (prompts as the chat benchmark's, outputs exponential with mean 128 clipped to [16, 256]).
+    The tight pool preempts at scale 1; a smaller `scale` may leave it room enough not to."""
     n = lambda k: max(2, round(k * scale))  # noqa: E731
     chat, out = Lengths("chat"), Lengths("exponential", n(128), low=n(16), high=n(256))
     return {
