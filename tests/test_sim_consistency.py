@@ -172,3 +172,26 @@ def test_simulator_records_the_engines_trace_random(model, case):
     fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
     trace = simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
     assert_same_trace(engine, trace)
+
+
+@pytest.mark.parametrize("case", ["bs4-recompute-tight", "bs4-chunked-swap-partial", "bs2-prefix-chunked-recompute",
+                                  "bs4-samples-cow"])  # fmt: skip
+def test_simulator_agrees_with_pagedlab_replay(model, case):
+    """`pagedlab.replay` (chapter 05) is the same idea counted in steps: on a workload that never idles (so
+    that arriving at second a is arriving before step a + 1), both make the same decisions at every step."""
+    from pagedlab.replay import Arrival, first_difference, replay_engine
+    from pagedlab.sampling_params import SamplingParams
+
+    options, workload_options, _ = CASES[case]
+    requests = workload(**workload_options)
+    config = EngineConfig(**{"max_model_len": 64, "max_num_batched_tokens": 64, "preemption_mode": "recompute",
+                             "max_trace_steps": None, **options})  # fmt: skip
+    engine = LLMEngine(model, None, config)
+    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
+    simulated = simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
+    assert all(r.scheduled for r in simulated), "the workload idles: arrival seconds are not step numbers"
+    arrivals = [Arrival(int(r.arrival_s) + 1, str(i), r.prompt_token_ids,
+                        SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, seed=i, max_tokens=r.output_len,
+                                       ignore_eos=True))
+                for i, r in enumerate(requests)]  # fmt: skip
+    assert first_difference(replay_engine(engine, arrivals), simulated) is None
