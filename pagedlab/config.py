@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedlab.spec_decode.config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -36,6 +38,8 @@ class EngineConfig:
     record_trace: keep a `StepRecord` of each step (what the chapters draw).
     max_trace_steps: keep only the most recent this many steps in the trace (None: all), so that a long-running
         engine stays in bounded memory; `trace.num_dropped` counts the older ones.
+    speculative_config: speculative decoding, vLLM's dict (`pagedlab.spec_decode.SpeculativeConfig`): draft tokens
+        by n-gram lookup or a draft model, verified by the target in its next pass. None (default): off.
     """
 
     block_size: int = 16
@@ -57,8 +61,10 @@ class EngineConfig:
     seed: int = 0
     record_trace: bool = True
     max_trace_steps: int | None = 1000
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
