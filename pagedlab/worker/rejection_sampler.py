@@ -45,9 +45,10 @@ def verify(
     drafts (k tokens) and how to sample. Returns one `Verification` per sequence."""
     logits = logits.float()
     raw = logits
-    starts, banned_any = [], False
+    starts, start, banned_any = [], 0, False
     for drafts, target in rows:
-        starts.append(sum(len(d) + 1 for d, _ in rows[: len(starts)]))
+        starts.append(start)
+        start += len(drafts) + 1
         banned_any |= bool(target.banned_token_ids)
     if banned_any:
         logits = logits.clone()
