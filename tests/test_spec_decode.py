@@ -258,3 +258,52 @@ def test_rejection_sampling_follows_the_target_distribution():
     assert statistic < chi2_threshold(df), f"bonus token: chi2 {statistic:.1f} on {df} dof"
     rejected = torch.tensor([c.token_id for c in checks if c.num_accepted == 0])
     assert not (rejected == draft).any(), "after a rejection the draft itself is never drawn"
+
+
+def test_stops_and_min_tokens_match_no_speculation(case):
+    """A verified chunk emits several tokens at once: a stop token, a stop string or max_tokens inside it cuts
+    the output exactly where one token at a time would have stopped; min_tokens bans stops at the right rows."""
+    from tests.conftest import ByteTokenizer
+
+    model, prompts, expected = case
+    copying = prompts[-1]
+    out = expected[-1]
+    text = ByteTokenizer().decode(out)
+    cases = [
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[out[3]]),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[out[3]], min_tokens=9),
+        SamplingParams(temperature=0, max_tokens=24, stop=[text[7:9]]),
+        SamplingParams(temperature=0, max_tokens=7, logprobs=1),
+    ]
+
+    def run(spec):
+        engine = LLMEngine(model, ByteTokenizer(), EngineConfig(block_size=4, num_kv_blocks=256, speculative_config=spec))
+        for i, params in enumerate(cases):
+            engine.add_request(f"r{i}", {"prompt_token_ids": copying}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    c = o.outputs[0]
+                    done[o.request_id] = (c.token_ids, c.text, c.finish_reason, c.stop_reason, len(c.logprobs or []))
+            engine.check_invariants()
+        assert engine.kv_cache_manager.num_free_blocks == 256
+        return done, engine.stats()
+
+    with_spec, stats = run({"method": "draft_model", "model": model, "num_speculative_tokens": 6})  # all accepted
+    assert with_spec == run(None)[0]
+    assert stats.spec_mean_acceptance_length > 2
+
+
+def test_self_draft_shares_the_target_weights(case):
+    from pagedlab.spec_decode.self_draft import self_draft
+
+    model, prompts, expected = case
+    draft = self_draft(model, 1)
+    assert draft.model.layers[0] is model.model.layers[0] and draft.lm_head is model.lm_head
+    assert len(model.model.layers) == 2 and model.config.num_hidden_layers == 2, "the target is left as it was"
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=512, speculative_config=spec))
+    assert run_engine(engine, prompts, 24) == expected
+    with pytest.raises(ValueError, match="num_layers must be from 1 to 1"):
+        self_draft(model, 2)
