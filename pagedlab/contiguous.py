@@ -96,21 +96,26 @@ class ContiguousAllocator:
 class FragmentationReport:
     """Slots of the arena at one moment (or, from `total`, summed over the steps of a run).
 
-    A request counts as `used` one slot per token it has so far (prompt + generated; the newest token's K
-    and V land in its slot at the next step, and a finished request's last token keeps its slot, as in the
-    vLLM paper's Figure 3). Its `final_len` is the number of tokens it has when it finishes. Then
+    A request has `used` tokens now (prompt + generated; the newest token's K and V land in its slot at the
+    next step, and a finished request's last token keeps its slot, as in the vLLM paper's Figure 3) and
+    `final_len` tokens when it finishes, so it has finished once used == final_len. Then, summed over the
+    live reservations,
 
-        reserved = used + reservation_waste + internal_fragmentation       (per request and in total)
+        reserved = used + held_after_finish + reservation_waste + internal_fragmentation
 
-    reservation_waste: reserved slots the request will fill later (final_len - used);
-    internal_fragmentation: reserved slots it will never fill (reserved - final_len);
+    used: tokens of requests still running (the memory doing its job);
+    held_after_finish: tokens of finished requests whose static batch still runs: kept, never read again;
+    reservation_waste: slots a running request will fill later but holds empty now (final_len - used);
+    internal_fragmentation: slots never filled, because the request ends short of its reservation
+      (reserved - final_len), running or finished;
     external_fragmentation: free slots in holes too small for the next reservation to serve;
-    utilization: used / reserved, the share of reserved memory holding real tokens (0 if nothing reserved).
+    utilization: used / reserved, the share of reserved memory holding tokens still in use (0 if nothing).
     """
 
     num_slots: int
     reserved: int
     used: int
+    held_after_finish: int
     reservation_waste: int
     internal_fragmentation: int
     external_fragmentation: int
@@ -127,20 +132,25 @@ class FragmentationReport:
     def measure(
         cls, allocator: ContiguousAllocator, usage: Mapping[str, tuple[int, int]], want: int
     ) -> FragmentationReport:
-        """usage: request_id -> (tokens used now, final length) for every live reservation; want: the size of
-        the next reservation to serve (0 when nothing waits: then no hole counts as too small)."""
+        """usage: request_id -> (tokens used now, final length) for every live reservation (used == final
+        length: the request has finished); want: the size of the next reservation to serve (0 when nothing
+        waits: then no hole counts as too small)."""
         if set(usage) != set(allocator.reservations):
             raise ValueError(f"usage covers {sorted(usage)}, the arena holds {sorted(allocator.reservations)}")
-        reserved = used = waste = internal = 0
+        reserved = used = held = waste = internal = 0
         for request_id, (num_used, final_len) in usage.items():
             num_reserved = allocator.reservations[request_id][1]
             if not 0 <= num_used <= final_len <= num_reserved:
                 raise ValueError(f"{request_id}: need 0 <= used {num_used} <= final {final_len} <= {num_reserved}")
-            reserved, used = reserved + num_reserved, used + num_used
-            waste += final_len - num_used
+            reserved += num_reserved
+            if num_used == final_len:  # finished: its tokens stay until the batch ends, read by no one
+                held += num_used
+            else:
+                used += num_used
+                waste += final_len - num_used
             internal += num_reserved - final_len
         external = sum(length for _, length in allocator.holes() if length < want)
-        return cls(allocator.num_slots, reserved, used, waste, internal, external)
+        return cls(allocator.num_slots, reserved, used, held, waste, internal, external)
 
     @classmethod
     def total(cls, reports: Iterable[FragmentationReport]) -> FragmentationReport:
@@ -154,12 +164,15 @@ class FragmentationReport:
 
 @dataclass(frozen=True)
 class ContiguousOutput:
-    """What `ContiguousEngine.generate` returns; `reports` and `num_running` have one entry per model step."""
+    """What `ContiguousEngine.generate` returns; `reports`, `num_running` and `num_in_batch` have one entry per
+    model step. num_in_batch - num_running is the batch's idle rows: finished requests that hold their
+    reservation (and, in a padded static batch, their row) until the last one finishes."""
 
     token_ids: list[list[int]]
     finish_reasons: list[str]
     reports: tuple[FragmentationReport, ...]
     num_running: tuple[int, ...]  # sequences computing at each step (finished ones in the batch do not)
+    num_in_batch: tuple[int, ...]  # sequences in the step's static batch, running or finished
     peak_num_seqs: int  # most sequences holding a reservation at once
 
     @property
@@ -245,11 +258,13 @@ class ContiguousEngine:
         waiting = deque(requests)
         reports: list[FragmentationReport] = []
         num_running: list[int] = []
+        num_in_batch: list[int] = []
         peak = 0
         while waiting:
             batch = self._admit(waiting)
             peak = max(peak, len(batch))
             usage_per_step = self._run_batch(batch, num_running)
+            num_in_batch += [len(batch)] * len(usage_per_step)
             want = self.reservation(waiting[0]) if waiting else 0
             final = {r.request_id: r.num_tokens for r, _ in batch}
             for usage in usage_per_step:
@@ -262,6 +277,7 @@ class ContiguousEngine:
             [r.status.finish_reason for r in requests],
             tuple(reports),
             tuple(num_running),
+            tuple(num_in_batch),
             peak,
         )
 

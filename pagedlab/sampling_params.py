@@ -4,7 +4,7 @@
 `ValueError` that names the field for every value that makes no sense. It is a frozen dataclass, so one
 object can be shared by many requests.
 
-# Explained in chapters/05_continuous_batching.ipynb
+# Explained in chapters/09_the_whole_engine.ipynb
 """
 
 from __future__ import annotations

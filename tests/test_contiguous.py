@@ -71,19 +71,19 @@ def test_allocator_against_a_slot_list():
 
 
 def test_fragmentation_report_by_hand():
-    # Arena 32, max_model_len 8: each request reserves 8 slots. (prompt, final length) = (3, 5), (2, 8), (4, 4),
-    # and at this moment they have 3, 4, 4 tokens.
+    # Arena 32, max_model_len 8: each request reserves 8 slots. Final lengths 5, 8 and 4; at this moment they
+    # have 3, 4 and 4 tokens, so c (4 of 4) has finished and holds its slots until the batch ends.
     arena = ContiguousAllocator(32)
     for rid in "abc":
         arena.allocate(rid, 8)
     report = FragmentationReport.measure(arena, {"a": (3, 5), "b": (4, 8), "c": (4, 4)}, want=8)
-    # reserved = 3 x 8 = 24; used = 3 + 4 + 4 = 11
-    # reservation waste = (5-3) + (8-4) + (4-4) = 2 + 4 + 0 = 6
-    # internal = (8-5) + (8-8) + (8-4) = 3 + 0 + 4 = 7        (11 + 6 + 7 = 24)
+    # reserved = 3 x 8 = 24; used = 3 + 4 = 7 (a and b run); held after finish = 4 (c)
+    # reservation waste = (5-3) + (8-4) = 2 + 4 = 6 (running requests only)
+    # internal = (8-5) + (8-8) + (8-4) = 3 + 0 + 4 = 7        (7 + 4 + 6 + 7 = 24)
     # external: the 8 free slots are one hole (24, 8), big enough for 8 -> 0
-    assert report == FragmentationReport(32, 24, 11, 6, 7, 0)
+    assert report == FragmentationReport(32, 24, 7, 4, 6, 7, 0)
     assert report.free == 8
-    assert report.utilization == pytest.approx(11 / 24)
+    assert report.utilization == pytest.approx(7 / 24)
 
 
 def test_fragmentation_report_with_holes_too_small():
@@ -94,16 +94,16 @@ def test_fragmentation_report_with_holes_too_small():
     assert arena.holes() == [(7, 5), (18, 2)]
     # a: 5 tokens, will end at 7; c: 6 tokens, ended at 6 (its max_tokens = 2, so final length = reserve).
     report = FragmentationReport.measure(arena, {"a": (5, 7), "c": (6, 6)}, want=6)
-    # reserved = 7 + 6 = 13; used = 11; waste = 2 + 0 = 2; internal = 0 + 0 = 0
+    # reserved = 7 + 6 = 13; used = 5 (a); held after finish = 6 (c); waste = 2; internal = 0 + 0 = 0
     # external: the next request wants 6; holes of 5 and 2 are both too small -> 5 + 2 = 7 (all 7 free slots)
-    assert report == FragmentationReport(20, 13, 11, 2, 0, 7)
+    assert report == FragmentationReport(20, 13, 5, 6, 2, 0, 7)
     # A 5-slot request would fit in the first hole: only the 2-slot hole is too small for it.
     assert FragmentationReport.measure(arena, {"a": (5, 7), "c": (6, 6)}, want=5).external_fragmentation == 2
     assert FragmentationReport.measure(arena, {"a": (5, 7), "c": (6, 6)}, want=0).external_fragmentation == 0
 
-    total = FragmentationReport.total([report, FragmentationReport(20, 7, 7, 0, 0, 0)])
-    assert total == FragmentationReport(40, 20, 18, 2, 0, 7)
-    assert total.utilization == pytest.approx(18 / 20)
+    total = FragmentationReport.total([report, FragmentationReport(20, 7, 7, 0, 0, 0, 0)])
+    assert total == FragmentationReport(40, 20, 12, 6, 2, 0, 7)
+    assert total.utilization == pytest.approx(12 / 20)
     assert FragmentationReport.total([]).utilization == 0.0
 
     with pytest.raises(ValueError, match="usage covers"):
@@ -149,16 +149,17 @@ def test_static_batches_match_hf_generate(model, prompts):
     out = engine.generate(prompts, params)
     assert out.token_ids == [hf_greedy(model, p, MAX_TOKENS, eos_token_id=None) for p in prompts]
     assert out.finish_reasons == ["length"] * 4
-    assert out.peak_num_seqs == 2 and out.num_running == (2,) * 16  # two batches of 8 steps
+    assert out.peak_num_seqs == 2 and out.num_running == out.num_in_batch == (2,) * 16  # two batches of 8 steps
     assert engine.allocator.reservations == {}
 
     # Two batches x 8 steps, each with 2 x 32 slots reserved. Batch 1 holds prompts of 5 and 17 tokens, batch
-    # 2 prompts of 1 and 9; at step k (1..8) each request has prompt + k tokens.
-    # reserved = 16 x 64 = 1024; used = sum_k (22 + 2k) + (10 + 2k) = 8 x 32 + 4 x 36 = 400
+    # 2 prompts of 1 and 9; at step k (1..8) each request has prompt + k tokens, and at step 8 all have finished.
+    # reserved = 16 x 64 = 1024; used = sum_{k<8} (22 + 2k) + (10 + 2k) = 7 x 32 + 4 x 28 = 336
+    # held after finish (step 8 of each batch) = 13 + 25 + 9 + 17 = 64
     # final lengths 13 + 25 and 9 + 17: internal = 8 x (64 - 38) + 8 x (64 - 26) = 208 + 304 = 512
-    # reservation waste = 1024 - 400 - 512 = 112; external: the free hole (64 - 64 = none) -> 0
-    assert out.summary == FragmentationReport(16 * 64, 1024, 400, 112, 512, 0)
-    assert out.summary.utilization == pytest.approx(400 / 1024)  # ~39%: under half of reserved KV holds tokens
+    # reservation waste = 1024 - 336 - 64 - 512 = 112; external: the free hole (64 - 64 = none) -> 0
+    assert out.summary == FragmentationReport(16 * 64, 1024, 336, 64, 112, 512, 0)
+    assert out.summary.utilization == pytest.approx(336 / 1024)  # ~33%: a third of reserved KV holds live tokens
 
     assert engine.generate(prompts, params).token_ids == out.token_ids  # the engine is reusable
 
@@ -172,9 +173,9 @@ def test_reserve_max_tokens_leaves_holes_too_small(model, prompts):
     assert out.num_running == (2,) * 16
     assert [r.external_fragmentation for r in out.reports] == [2] * 8 + [0] * 8  # nothing waits in batch 2
     assert [r.reserved for r in out.reports] == [38] * 8 + [26] * 8
-    # reserved = 8 x 38 + 8 x 26 = 512; used = 400 (as above); every request reaches its reservation, so
-    # internal = 0 and reservation waste = 512 - 400 = 112; external = 8 x 2 = 16
-    assert out.summary == FragmentationReport(16 * 40, 512, 400, 112, 0, 16)
+    # reserved = 8 x 38 + 8 x 26 = 512; used = 336 and held after finish = 64 (as above); every request reaches
+    # its reservation, so internal = 0 and reservation waste = 512 - 400 = 112; external = 8 x 2 = 16
+    assert out.summary == FragmentationReport(16 * 40, 512, 336, 64, 112, 0, 16)
 
 
 def test_stopped_requests_keep_their_slots_until_the_batch_ends(model, prompts):
@@ -195,6 +196,19 @@ def test_stopped_requests_keep_their_slots_until_the_batch_ends(model, prompts):
     assert batch_1[0] == 2 and min(batch_1) == 1  # request 0 stopped computing...
     assert all(r.reserved == 64 for r in out.reports[: len(batch_1)])  # ...but kept its 32 slots
     assert out.summary.reserved == 64 * out.num_steps
+    # From the step it stopped until its batch ends, its row is idle and its tokens are held, not used.
+    stopped_at = len(out.token_ids[0]) - 1  # index of the step that sampled its last token
+    final_0 = len(prompts[0]) + len(out.token_ids[0])
+    for k, report in enumerate(out.reports[: len(batch_1)]):
+        idle = out.num_in_batch[k] - out.num_running[k]
+        running_1 = len(prompts[1]) + k + 1  # request 1 runs the whole batch
+        if k < stopped_at:
+            assert (idle, report.held_after_finish, report.used) == (0, 0, len(prompts[0]) + k + 1 + running_1)
+        elif k < len(batch_1) - 1:
+            assert (idle, report.held_after_finish, report.used) == (int(k > stopped_at), final_0, running_1)
+        assert report.reserved == report.used + report.held_after_finish + report.reservation_waste + (
+            report.internal_fragmentation
+        )
 
 
 def test_a_reservation_that_can_never_fit_is_refused(model):

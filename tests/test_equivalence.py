@@ -93,21 +93,26 @@ def test_chunked_prefill_keeps_tokens(tiny_case, budget):
 
 
 # In bfloat16 the two implementations add the same numbers in another order, so the argmax can flip where the top
-# two logits are within a rounding error (measured by scripts/bf16_agreement.py; the README gives the figures).
-# These floors sit well below what is measured and far above what a broken bfloat16 path would give (~0).
-BF16_FLOOR = {"llama": 0.9, "qwen2": 0.75, "llama-gqa3-hd80": 0.9, "mistral-window8": 0.75, "qwen3": 0.9}
+# two logits are within a rounding error, and from there the continuations differ. How often depends on the CPU's
+# kernels and thread count, so the test checks the cause instead: scored by the same weights in float32, the two
+# tokens at every divergence are within NEAR_TIE of each other (measured here: at most 0.044, with logits spread
+# by a standard deviation of about 0.8; a broken bfloat16 path diverges at once and by whole logits).
+NEAR_TIE = 0.1
+BF16_FAMILIES = ["llama", "qwen2", "llama-gqa3-hd80", "mistral-window8", "qwen3"]
 
 
-@pytest.mark.parametrize("family", sorted(BF16_FLOOR))
+@pytest.mark.parametrize("family", BF16_FAMILIES)
 def test_bfloat16_agrees_with_hf_up_to_near_ties(family):
     import torch
 
     from pagedlab import LLM
-    from pagedlab.bench.agreement import Agreement, hf_greedy as hf, pagedlab_greedy
+    from pagedlab.bench.agreement import Agreement, divergence_margins, hf_greedy as hf, pagedlab_greedy
 
     model = tiny_model(family).to(torch.bfloat16)
     prompts = random_prompts([5, 17, 1, 33, 9, 24, 12, 40])
-    agreement = Agreement.measure(hf(model, prompts, 24), pagedlab_greedy(LLM(model, block_size=4, num_kv_blocks=512),
-                                                                            prompts, 24))  # fmt: skip
-    assert agreement.fraction >= BF16_FLOOR[family], str(agreement)
-    assert agreement.num_identical >= 5, str(agreement)
+    reference = hf(model, prompts, 24)
+    candidate = pagedlab_greedy(LLM(model, block_size=4, num_kv_blocks=512), prompts, 24)
+    agreement = Agreement.measure(reference, candidate)
+    margins = divergence_margins(tiny_model(family), prompts, reference, candidate)
+    assert all(abs(m) <= NEAR_TIE for m in margins), f"{agreement}; logit margins at the divergences {margins}"
+    assert agreement.num_identical >= agreement.num_prompts // 2, str(agreement)

@@ -8,25 +8,38 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-from pagedlab.core.sched_output import ScheduledRequest
+from pagedlab.core.sched_output import SamplingRequest, ScheduledRequest
 from pagedlab.core.trace import BlockTableSnapshot, StepRecord, Trace
+from pagedlab.sampling_params import SamplingParams
 from pagedlab.viz import (
     animate,
     describe_step,
     draw_block_pool,
     draw_block_tables,
+    draw_kv_usage,
+    draw_latency,
     draw_queues,
+    draw_step_tokens,
     draw_timeline,
     render,
+    request_times,
     seq_color,
     static_strip,
 )
-from pagedlab.viz._common import to_png
+from pagedlab.viz._common import STORED_DPI, to_png
 from pagedlab.viz.palette import FREE_COLOR, OKABE_ITO, color_map
-from pagedlab.viz.player import strip_indices
+from pagedlab.viz.strip import strip_indices
+from pagedlab.viz.tables import shown_columns
 from pagedlab.viz.timeline import states
+from pagedlab.viz.usage import kv_usage
 
 T = BlockTableSnapshot
+
+
+def work(request_id, num_computed_tokens, num_new_tokens, samples=True) -> ScheduledRequest:
+    """A sequence's share of a step; `samples`: the step reaches its newest token and draws one."""
+    sampling = (SamplingRequest(request_id, SamplingParams()),) if samples else ()
+    return ScheduledRequest(request_id, num_computed_tokens, num_new_tokens, request_id, sampling=sampling)
 
 
 def record(step, *, tables=(), waiting=(), running=(), scheduled=(), free, **events) -> StepRecord:
@@ -42,7 +55,7 @@ def hand_trace() -> Trace:
 
         step 2:  a [5, 2] 7 tokens   b [0] 3 tokens   b:1 [0] 3 tokens (block 0 shared, x2)
     """
-    s = ScheduledRequest
+    s = work
     return Trace(8, 4, steps=[
         record(1, tables=[T("a", (5, 2), 6), T("b", (0,), 3)], waiting=["c"], running=["a", "b"],
                scheduled=[s("a", 0, 6, True), s("b", 0, 3, True)], allocated=(("a", (5, 2)), ("b", (0,))),
@@ -224,7 +237,7 @@ def test_describe_step_in_words():
 
 
 def test_partial_preemption_in_words():
-    s = ScheduledRequest
+    s = work
     before = record(1, tables=[T("a", (5,), 3), T("b", (0, 1, 2), 12)], running=["a", "b"],
                     scheduled=[s("a", 0, 3, True), s("b", 0, 12, True)], free=5)  # fmt: skip
     after = record(2, tables=[T("a", (5, 2), 5), T("b", (0, 1), 8)], running=["a", "b"], preempted=("b",),
@@ -244,14 +257,101 @@ def test_empty_trace_is_refused():
 # -- render, strip, player -------------------------------------------------------------------------------
 
 
-def test_render_and_static_strip():
+def test_render_and_its_legend_of_the_marks_present():
     trace = hand_trace()
     fig = render(trace, 1)
     assert [ax.get_title() for ax in fig.axes] == [
         "step 2: 3/8 blocks in use, 4 slots each", "queues after step 2", "block tables: logical -> physical"]
-    assert strip_indices(trace) == [0, 1, 2]
-    strip = static_strip(trace, [0, 2])
-    assert [ax.get_title() for ax in strip.axes] == ["step 1: 3/8 used", "step 3: 2/8 used"]
+    # step 2: free blocks, a shared block (x2), a cached block, partly filled blocks; nothing new this step
+    assert legend_labels(fig.axes[0]) == ["free", "pale: empty slots", "shared by N block tables", "cached (hashed)"]
+    # step 1: new blocks, no sharing, no cache
+    assert legend_labels(render(trace, 0).axes[0]) == ["free", "new this step", "pale: empty slots"]
+    # step 3: b and b:1 hold full blocks of their own (0 and its copy 4)
+    assert legend_labels(draw_block_pool(trace, 2).axes[0]) == ["free", "new this step", "cached (hashed)"]
+
+
+def legend_labels(ax):
+    legend = ax.get_legend()
+    return [t.get_text() for t in legend.get_texts()] if legend else []
+
+
+def strip_texts(fig, name):
+    return [t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == name]
+
+
+def test_static_strip_shows_each_step_with_its_block_tables_and_events():
+    trace = hand_trace()
+    assert strip_indices(trace) == [0, 1, 2]  # few steps: every one
+    strip = static_strip(trace)
+    assert strip_texts(strip, "strip-title") == [
+        "step 1: 3/8 blocks in use", "step 2: 3/8 blocks in use", "step 3: 2/8 blocks in use"]
+    assert strip_texts(strip, "strip-tables-1-seq") == ["a", "b", "b:1"]
+    assert strip_texts(strip, "strip-tables-1-block") == ["5", "2", "0", "0"]
+    assert strip_texts(strip, "strip-tables-2-tokens") == ["4 tok", "4 tok"]
+    assert strip_texts(strip, "strip-pool-0-id") == [str(b) for b in range(8)]
+    notes = strip_texts(strip, "strip-note")
+    assert "a prefilled 6 tokens" in notes and "b:1 forked from b" in notes
+    assert "a preempted (recompute)" in notes and "b:1 copy-on-write 0 → 4" in notes and "freed 2, 5" in notes
+    # one legend for the strip: the marks some frame shows
+    assert legend_labels(strip.axes[0]) == [
+        "free", "new this step", "pale: empty slots", "shared by N block tables", "cached (hashed)"]
+    only_first = static_strip(trace, [0])
+    assert strip_texts(only_first, "strip-title") == ["step 1: 3/8 blocks in use"]
+    assert legend_labels(only_first.axes[0]) == ["free", "new this step", "pale: empty slots"]
+    with pytest.raises(ValueError, match="at least one"):
+        static_strip(trace, [])
+
+
+def test_static_strip_wraps_onto_rows_that_fit_a_notebook_with_readable_text():
+    # 10 steps of a 32-block pool, three sequences with 11-block tables: too wide for one row.
+    s = work
+    steps = []
+    for k in range(10):
+        tables = [T(f"0:b{i}", tuple(range(i * 10, i * 10 + 10)) + (30 + i % 2,), 41 + k % 4) for i in range(3)]
+        steps.append(record(k + 1, tables=tables, running=[t.request_id for t in tables],
+                            scheduled=[s(t.request_id, 40 + k % 4, 1, True) for t in tables], free=1))  # fmt: skip
+    trace = Trace(32, 4, steps=steps)
+    assert strip_indices(trace) == list(range(10))
+    strip = static_strip(trace)
+    width, height = (strip.get_size_inches() * STORED_DPI).round()
+    assert width <= 900 and height > width  # wrapped onto rows, each within a notebook's width
+    titles = [t for ax in strip.axes for t in ax.texts if t.get_gid() == "strip-title"]
+    assert len({t.get_position()[1] for t in titles}) == 5  # 10 frames, 2 a row
+    pixels = [(t.get_gid() or "", t.get_fontsize() * STORED_DPI / 72) for ax in strip.axes for t in ax.texts]
+    assert min(px for _, px in pixels) >= 10 and min(px for g, px in pixels if "refcount" not in g) >= 11
+    # a table longer than the strip's columns keeps its head and its tail
+    assert strip_texts(strip, "strip-tables-0-logical") == ["0", "1", "…", "6", "7", "8", "9", "10"]
+    assert strip_texts(strip, "strip-tables-0-cut") == ["+4"] * 3
+    assert strip_texts(strip, "strip-tables-0-block")[:9] == ["0", "1", "6", "7", "8", "9", "30", "10", "11"]
+
+
+def test_long_traces_show_even_and_eventful_steps():
+    steps = [record(k + 1, running=["a"], free=4) for k in range(40)]
+    steps[17] = record(18, running=["a", "a:1"], forked=(("a", "a:1"),), free=4)
+    trace = Trace(4, 4, steps=steps)
+    indices = strip_indices(trace)
+    assert indices[0] == 0 and indices[-1] == 39 and 17 in indices and len(indices) <= 12
+
+
+def test_table_columns_keep_head_and_tail():
+    assert shown_columns(5, 8) == [0, 1, 2, 3, 4]
+    assert shown_columns(13, 8) == [0, 1, None, 8, 9, 10, 11, 12]
+    assert shown_columns(40, 16) == [0, 1, 2, 3, 4, None, *range(30, 40)]
+
+
+def test_a_pruned_beam_reads_as_pruned_everywhere():
+    trace = hand_trace()
+    pruned = record(4, tables=[T("b", (0,), 5)], running=["b"], waiting=["a", "c"], free=7,
+                    finished=(("b:1", "pruned"),), freed=(4,), scheduled=[work("b", 4, 1)],
+                    appended=(("b", 11),))  # fmt: skip
+    trace.steps.append(pruned)
+    text = describe_step(trace, 3)
+    assert "seq b:1 pruned (no beam continues it)" in text and "finished" not in text
+    assert texts(draw_queues(trace, 3).axes[0], "queue-running-label") == ["b", "b:1\npruned"]
+    assert "b:1 pruned" in strip_texts(static_strip(trace, [3]), "strip-note")
+    ax = draw_timeline(trace).axes[0]
+    assert gid(ax, "timeline-pruned").get_offsets().tolist() == [[4, 3]]
+    assert "pruned (beam)" in legend_labels(ax) and "finished" not in legend_labels(ax)
 
 
 def test_player_dom_contract_and_static_fallback():
@@ -311,3 +411,80 @@ def test_every_step_of_an_engine_trace_draws_what_its_tables_hold(engine_trace):
     assert isinstance(render(trace, len(trace) // 2), Figure)
     swapped = next(i for i, r in enumerate(trace) if r.swapped)
     assert texts(draw_block_pool(trace, swapped).axes[0], "cpu-pool-title")
+    strip = static_strip(trace)
+    assert strip.get_size_inches()[0] * STORED_DPI <= 900
+    assert any(t.startswith("CPU swap pool") for t in strip_texts(strip, f"cpu-strip-pool-{swapped}-title"))
+
+
+# -- per-step tokens, KV usage and latency (chapters 05-09) ---------------------------------------------
+
+
+def timed_trace() -> Trace:
+    """Four steps of a hand-made trace with durations: a prefill, a mixed step, a decode step, a swap."""
+    s = ScheduledRequest
+    return Trace(8, 4, num_cpu_blocks=4, steps=[
+        record(1, tables=[T("a", (0, 1), 6)], waiting=["b"], running=["a"], scheduled=[s("a", 0, 6)],
+               appended=(("a", 1),), cached_blocks=(0,), free=6, num_free_cpu_blocks=4, duration_s=0.5),
+        record(2, tables=[T("a", (0, 1), 7), T("b", (2, 3), 5)], running=["a", "b"],
+               scheduled=[s("a", 6, 1), s("b", 0, 5)], appended=(("a", 2), ("b", 3)), cached_blocks=(0, 2),
+               free=4, num_free_cpu_blocks=4, duration_s=0.25),
+        record(3, tables=[T("b", (2, 3), 6)], running=["b"], scheduled=[s("b", 5, 1)], appended=(("b", 4),),
+               finished=(("a", "length"),), freed=(1, 0), cached_blocks=(0, 2), free=6, num_free_cpu_blocks=4,
+               duration_s=0.125),
+        record(4, tables=[], swapped=["b"], cpu_block_tables=[T("b", (0, 1), 6)], preempted=("b",),
+               swapped_out=(("b", ((2, 0), (3, 1))),), scheduled=[], free=8, num_free_cpu_blocks=2,
+               duration_s=0.0625),
+    ])  # fmt: skip
+
+
+def test_step_tokens_split_prefill_and_decode_against_the_budget():
+    trace = timed_trace()
+    ax = draw_step_tokens(trace, budget=8, show_duration=True).axes[0]
+    decode = [p.get_height() for p in ax.patches if p.get_gid() == "tokens-decode"]
+    prefill = [p.get_height() for p in ax.patches if p.get_gid() == "tokens-prefill"]
+    assert decode == [0, 1, 1, 0] and prefill == [6, 5, 0, 0]
+    [budget] = [line for line in ax.lines if line.get_gid() == "tokens-budget"]
+    assert list(budget.get_ydata()) == [8, 8]
+    [duration] = [line for ax_ in ax.figure.axes for line in ax_.lines if line.get_gid() == "tokens-duration"]
+    assert list(duration.get_ydata()) == [500, 250, 125, 62.5]
+    assert "budget (8 tokens)" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_kv_usage_counts_used_cached_and_cpu_blocks():
+    trace = timed_trace()
+    assert kv_usage(trace) == {"used": [2, 4, 2, 0], "cached_free": [0, 0, 1, 0], "cpu_used": [0, 0, 0, 2]}
+    ax = draw_kv_usage(trace).axes[0]
+    assert [c.get_gid() for c in ax.collections] == ["usage-cached", "usage-preempted"]
+    assert gid(ax, "usage-preempted").get_offsets().tolist() == [[4, 0]]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["device blocks in use", "free but cached (prefix cache)", "CPU swap blocks in use",
+                      "device pool (8 blocks)", "preemption"]  # fmt: skip
+
+
+def test_request_times_and_latency_curves():
+    times = request_times(timed_trace())
+    assert times["a"].arrival_s == 0 and times["a"].token_s == (0.5, 0.75)
+    assert times["b"].arrival_s == 0 and times["b"].token_s == (0.75, 0.875)  # waiting in step 1
+    assert times["b"].ttft_s == 0.75 and times["b"].itl_s == [0.125]
+    fig = draw_latency({"first token": [t.ttft_s for t in times.values()], "empty": []}, title="t", unit="s")
+    [curve] = [line for line in fig.axes[0].lines if line.get_gid() == "latency-0"]
+    assert list(curve.get_xdata()) == [0.5, 0.75]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["first token: p50 0.625, p99 0.748 s"]
+
+
+def test_is_eventful_and_strip_indices_are_exported():
+    import pagedlab.viz as viz
+
+    trace = timed_trace()
+    assert [viz.is_eventful(trace, i) for i in range(4)] == [False, False, False, True]
+    assert viz.strip_indices(trace, num_even=2) == [0, 3]
+
+
+def test_a_sequence_swapped_in_and_finished_in_one_step_names_its_block():
+    s = ScheduledRequest
+    out = record(1, tables=[], cpu_block_tables=[T("a", (0, 1), 7)], swapped=["a"], preempted=("a",),
+                 swapped_out=(("a", ((3, 0), (5, 1))),), free=8)  # fmt: skip
+    back = record(2, tables=[], scheduled=[s("a", 7, 1)], swapped_in=(("a", ((0, 6), (1, 2))),),
+                  appended=(("a", 11),), finished=(("a", "length"),), freed=(2, 6), free=8)  # fmt: skip
+    text = describe_step(Trace(8, 4, num_cpu_blocks=2, steps=[out, back]), 1)
+    assert "seq a wrote 1 token into block 2 (slot 4/4), sampled token 11" in text

@@ -61,6 +61,10 @@ class Agreement:
         identical = sum(list(a) == list(b) for a, b in zip(reference, candidate))
         return cls(identical, prefixes, tuple(len(r) for r in reference))
 
+    def divergences(self) -> list[tuple[int, int]]:
+        """(prompt index, position of the first differing token) for every prompt whose outputs differ."""
+        return [(i, p) for i, (p, n) in enumerate(zip(self.prefix_lengths, self.lengths)) if p < n]
+
     @property
     def num_prompts(self) -> int:
         return len(self.lengths)
@@ -102,3 +106,18 @@ def pagedlab_greedy(llm, prompts: Sequence[Sequence[int]], max_tokens: int) -> l
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def divergence_margins(model, prompts, reference, candidate) -> list[float]:
+    """At each first divergence, how far apart `model` scores the two tokens chosen there: the logit of the
+    reference's token minus the candidate's, after the prefix both share. Run on a float32 copy of a 16-bit
+    model it says whether a divergence was a near tie (a margin of a few hundredths of a logit) or a real error."""
+    agreement = Agreement.measure(reference, candidate)
+    device = next(model.parameters()).device
+    margins = []
+    for i, position in agreement.divergences():
+        context = list(prompts[i]) + list(reference[i][:position])
+        with torch.inference_mode():
+            logits = model(torch.tensor([context], device=device)).logits[0, -1].float()
+        margins.append(float(logits[reference[i][position]] - logits[candidate[i][position]]))
+    return margins

@@ -206,9 +206,11 @@ def run_contiguous(model, tokenizer, workload: Workload, *, num_slots: int, max_
             bar.update(len(prompts))
         result = _base("pagedlab-contiguous", workload)
         result.elapsed_runs = [elapsed]
-        result.kv_per_step = [metrics.KVSample(r.reserved, r.used, r.reserved, n)
+        # live: every token a reservation holds, a finished request's included (as for hf-static's rows);
+        # FragmentationReport.used alone counts only requests still running
+        result.kv_per_step = [metrics.KVSample(r.reserved, r.used + r.held_after_finish, r.reserved, n)
                               for r, n in zip(out.reports, out.num_running)]  # fmt: skip
-        result.kv_utilization = out.summary.utilization
+        result.kv_utilization = metrics.utilization(result.kv_per_step)
         result.peak_kv_slots = max((k.allocated for k in result.kv_per_step), default=0)
         result.peak_num_seqs = out.peak_num_seqs
         result.num_preemptions = 0

@@ -16,6 +16,9 @@ from matplotlib.figure import Figure
 
 from pagedlab.core.trace import BlockTableSnapshot, StepRecord, Trace
 
+PRUNED = "pruned"  # the finish reason of a beam that beam search dropped (`StepRecord.finished`)
+STORED_DPI = 100  # the resolution of every PNG a notebook stores: figures are sized for it
+
 
 def to_png(fig: Figure, dpi: int = 80) -> bytes:
     buffer = io.BytesIO()
@@ -27,7 +30,7 @@ class PNGFigure(Figure):
     """A figure that IPython displays as PNG without pyplot."""
 
     def _repr_png_(self) -> bytes:
-        return to_png(self, dpi=100)
+        return to_png(self, dpi=STORED_DPI)
 
 
 def new_axes(ax: Axes | None, width: float, height: float) -> Axes:

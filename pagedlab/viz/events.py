@@ -17,7 +17,8 @@ from pagedlab.viz._common import step
 
 def _blocks_during(trace: Trace, index: int, request_id: str) -> tuple[int, ...]:
     """The request's block table while the step ran: after the step, or, if it finished (its table is gone),
-    the previous step's table with this step's copies and new blocks."""
+    the previous step's table (its CPU table, if it was swapped in this step) with this step's copies and new
+    blocks."""
     record = trace.steps[index]
     for table in record.block_tables:
         if table.request_id == request_id:
@@ -26,6 +27,10 @@ def _blocks_during(trace: Trace, index: int, request_id: str) -> tuple[int, ...]
     if index % len(trace.steps) > 0:
         previous = trace.steps[index % len(trace.steps) - 1]
         blocks = next((list(t.block_ids) for t in previous.block_tables if t.request_id == request_id), [])
+        if not blocks:  # swapped in this step: its CPU table, mapped to the device blocks it came back to
+            cpu = next((list(t.block_ids) for t in previous.cpu_block_tables if t.request_id == request_id), [])
+            to_device = {c: d for _, pairs in record.swapped_in for c, d in pairs}
+            blocks = [to_device.get(b, b) for b in cpu]
     for rid, source, copy in record.copied:
         if rid == request_id:
             blocks = [copy if b == source else b for b in blocks]

@@ -1,12 +1,11 @@
-"""One step as one picture (`render`), a strip of chosen steps (`static_strip`), and a widget player over
-them (`animate`).
+"""One step as one picture (`render`), and a widget player over the steps (`animate`).
 
 The player is thin wiring: a `Play` and an `IntSlider` linked in the browser (`jslink`), an `Image` that
 shows `render(trace, index)` as PNG and an `HTML` with the step's events. The slider's callback only calls
 `render` and `describe_step`, so everything it shows can be tested without a browser. For readers without a
-live kernel (GitHub, HTML export, nbval) the player's display also carries a PNG strip of selected steps and
-a text summary. DOM contract (the browser test relies on it): the outer box has CSS class `pagedlab-player`,
-the picture `pagedlab-frame`, the events text `pagedlab-events`.
+live kernel (GitHub, HTML export, nbval) the player's display also carries `static_strip`'s PNG of the
+steps (pagedlab/viz/strip.py) and a text summary. DOM contract (the browser test relies on it): the outer box
+has CSS class `pagedlab-player`, the picture `pagedlab-frame`, the events text `pagedlab-events`.
 
 # Explained in chapters/02_paged_blocks.ipynb
 """
@@ -15,16 +14,16 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
 from pagedlab.core.trace import Trace
-from pagedlab.viz._common import PNGFigure, step, to_png
+from pagedlab.viz._common import STORED_DPI, PNGFigure, step, to_png
 from pagedlab.viz.events import describe_step, step_events
-from pagedlab.viz.pool import cpu_blocks_to_draw, draw_block_pool, grid_columns
+from pagedlab.viz.pool import cpu_blocks_to_draw, draw_block_pool, grid_columns, pool_rows
 from pagedlab.viz.queues import draw_queues
+from pagedlab.viz.strip import static_strip, strip_indices
 from pagedlab.viz.tables import MAX_ROWS, draw_block_tables
 
 
@@ -33,8 +32,8 @@ def render(trace: Trace, index: int) -> Figure:
     record = step(trace, index)
     width, pool_width, gap = 11.0, 5.6, 0.25  # inches
     ncols = grid_columns(trace.num_blocks)
-    pool_rows = math.ceil(trace.num_blocks / ncols) + _cpu_rows(trace, ncols)
-    pool_height = pool_width / ncols * pool_rows + 0.9  # cells are square; room for title and legend
+    cpu_title = 0.9 if cpu_blocks_to_draw(trace) else 0.0  # the CPU pool's title needs a little more room
+    pool_height = pool_width / ncols * (pool_rows(trace) + cpu_title) + 0.9  # cells are square; title, legend
     queues_height = 1.3
     num_tables = min(len(record.block_tables) + len(record.cpu_block_tables), MAX_ROWS)
     height = max(pool_height + queues_height + gap, 0.32 * (max(num_tables, 8) + 2), 3.0)
@@ -46,48 +45,6 @@ def render(trace: Trace, index: int) -> Figure:
     draw_block_pool(trace, index, fig.add_axes(box(0.1, height - pool_height, pool_width, pool_height - 0.3)))
     draw_queues(trace, index, fig.add_axes(box(1.1, 0.05, pool_width - 1.0, queues_height - 0.3)))
     draw_block_tables(trace, index, fig.add_axes(box(7.0, 0.05, width - 7.1, height - 0.35)))
-    return fig
-
-
-def _cpu_rows(trace: Trace, ncols: int) -> int:
-    num_cpu = cpu_blocks_to_draw(trace)
-    return math.ceil(num_cpu / ncols) + 2 if num_cpu else 0
-
-
-def is_eventful(trace: Trace, index: int) -> bool:
-    """A step worth a frame of its own: a preemption, a copy-on-write, a fork, a swap or an eviction."""
-    r = trace.steps[index]
-    return bool(r.preempted or r.copied or r.forked or r.swapped_out or r.swapped_in or r.evicted)
-
-
-def strip_indices(trace: Trace, num_even: int = 5, max_frames: int = 8) -> list[int]:
-    """`num_even` evenly spaced steps (first and last included) plus eventful ones, at most `max_frames`."""
-    n = len(trace.steps)
-    even = {round(i * (n - 1) / max(num_even - 1, 1)) for i in range(min(num_even, n))}
-    eventful = [i for i in range(n) if is_eventful(trace, i) and i not in even]
-    return sorted(even | set(eventful[: max(max_frames - len(even), 0)]))
-
-
-def static_strip(trace: Trace, indices: Sequence[int] | None = None) -> Figure:
-    """The block pool at each of `indices` (default `strip_indices`), side by side, titled with its step."""
-    indices = strip_indices(trace) if indices is None else list(indices)
-    if not indices:
-        raise ValueError("static_strip needs at least one step index")
-    step(trace, indices[0])
-    panel = min(2.6, 18 / len(indices))  # inches per panel
-    ncols = grid_columns(trace.num_blocks)
-    rows = math.ceil(trace.num_blocks / ncols) + _cpu_rows(trace, ncols)
-    fig = PNGFigure(figsize=(panel * len(indices), panel / ncols * rows + 0.8), dpi=80, layout="constrained")
-    for i, (index, ax) in enumerate(zip(indices, fig.subplots(1, len(indices), squeeze=False)[0])):
-        draw_block_pool(trace, index, ax, legend=False)
-        record = trace.steps[index]
-        marks = [f"preempted {', '.join(record.preempted)}"] if record.preempted else []
-        marks += [f"CoW {s}->{c}" for _, s, c in record.copied][:2]
-        marks += [f"fork {c}" for _, c in record.forked][:2]
-        used = trace.num_blocks - record.num_free_blocks
-        ax.set_title(f"step {record.step}: {used}/{trace.num_blocks} used", fontsize=8)
-        if marks:
-            ax.text(0.5, -0.04, "\n".join(marks), transform=ax.transAxes, ha="center", va="top", fontsize=7)
     return fig
 
 
@@ -148,7 +105,7 @@ class Player:
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs) -> dict:
         bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
         strip = static_strip(self.trace, [i for i in strip_indices(self.trace) if i in set(self.indices)] or None)
-        bundle["image/png"] = base64.b64encode(to_png(strip)).decode("ascii")
+        bundle["image/png"] = base64.b64encode(to_png(strip, dpi=STORED_DPI)).decode("ascii")
         bundle["text/plain"] = summary(self.trace, self.indices, self.tokenizer)
         return bundle
 

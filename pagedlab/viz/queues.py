@@ -1,7 +1,8 @@
 """The scheduler's queues after one step: waiting, running and swapped, as lanes of boxes in queue order.
 
 Each box is a sequence in its colour. A sequence preempted in this step carries a dashed black border; one
-that finished in this step closes the running lane as a white box marked "done".
+that finished in this step closes the running lane as a white box marked "done" (or "pruned", a beam that
+beam search dropped).
 
 # Explained in chapters/02_paged_blocks.ipynb
 """
@@ -13,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
 from pagedlab.core.trace import Trace
-from pagedlab.viz._common import new_axes, step
+from pagedlab.viz._common import PRUNED, new_axes, step
 from pagedlab.viz.palette import FREE_COLOR, color_map, text_color
 
 MAX_PER_LANE = 10
@@ -25,7 +26,7 @@ def draw_queues(trace: Trace, index: int, ax: Axes | None = None) -> Figure:
     record = step(trace, index)
     colors = color_map(trace)
     preempted = set(record.preempted)
-    finished = [rid for rid, _ in record.finished]
+    finished = {rid: "pruned" if reason == PRUNED else "done" for rid, reason in record.finished}
     lanes = {"waiting": record.waiting, "running": record.running, "swapped": record.swapped}
     ax = new_axes(ax, 1.2 + 0.75 * MAX_PER_LANE, 1.5)
     for row, name in enumerate(LANES):
@@ -41,8 +42,9 @@ def draw_queues(trace: Trace, index: int, ax: Axes | None = None) -> Figure:
                                  facecolor="white" if done else color, edgecolor="black" if dashed else color,
                                  linestyle="--" if dashed else "-", linewidth=1.2, gid=f"queue-{name}")  # fmt: skip
             ax.add_patch(box)
-            label = f"{rid} done" if done else rid
-            ax.text(col + 0.5, y + 0.5, label, ha="center", va="center", fontsize=7 if len(label) < 6 else 5.5,
+            label = f"{rid}\n{finished[rid]}" if done else rid
+            size = 6 if done else 7 if len(label) < 6 else 5.5
+            ax.text(col + 0.5, y + 0.5, label, ha="center", va="center", fontsize=size, linespacing=0.9,
                     color="#555555" if done else text_color(color), gid=f"queue-{name}-label")  # fmt: skip
         if len(items) > MAX_PER_LANE:
             ax.text(MAX_PER_LANE + 0.1, y + 0.5, f"+{len(items) - MAX_PER_LANE}", va="center", fontsize=7)

@@ -2,7 +2,8 @@
 
 running (scheduled in the step, or in the running queue after it): the sequence's colour; waiting: grey;
 swapped (KV parked in CPU blocks): the sequence's colour, hatched and pale. A black cross marks a preemption,
-a black bar the step a sequence finished. Rows follow the order in which sequences first appear.
+a black bar the step a sequence finished, a grey one the step beam search pruned it. Rows follow the order in
+which sequences first appear; the legend lists only what the chart shows.
 
 # Explained in chapters/05_continuous_batching.ipynb
 """
@@ -16,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from pagedlab.core.trace import Trace
-from pagedlab.viz._common import new_axes, step
+from pagedlab.viz._common import PRUNED, new_axes, step
 from pagedlab.viz.palette import WAITING_COLOR, appearance_order, color_map, mix
 
 STATES = ("waiting", "running", "swapped")
@@ -66,11 +67,14 @@ def draw_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
         ax.add_collection(polygons)
     rows = {rid: row for row, rid in enumerate(table)}
     preempted = [(r.step, rows[rid]) for r in trace.steps for rid in r.preempted]
-    finished = [(r.step, rows[rid]) for r in trace.steps for rid, _ in r.finished]
+    finished = [(r.step, rows[rid]) for r in trace.steps for rid, reason in r.finished if reason != PRUNED]
+    pruned = [(r.step, rows[rid]) for r in trace.steps for rid, reason in r.finished if reason == PRUNED]
     if preempted:
         ax.scatter(*zip(*preempted), marker="x", color="black", s=30, zorder=3, gid="timeline-preempted")
     if finished:
         ax.scatter(*zip(*finished), marker="|", color="black", s=60, zorder=3, gid="timeline-finished")
+    if pruned:
+        ax.scatter(*zip(*pruned), marker="|", color="#888888", s=60, zorder=3, gid="timeline-pruned")
     ax.set_xlim(x0 - 0.5, trace.steps[-1].step + 0.5)
     ax.set_ylim(len(table) - 0.5, -0.5)
     if len(table) <= 40:
@@ -82,12 +86,14 @@ def draw_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     ax.set_title("requests over steps", fontsize=9)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    handles = [
-        Patch(facecolor=WAITING_COLOR, label="waiting"),
-        Patch(facecolor="#777777", label="running (own colour)"),
-        Patch(facecolor="#DDDDDD", hatch="////", label="swapped"),
-        Line2D([], [], marker="x", color="black", linestyle="", label="preempted"),
-        Line2D([], [], marker="|", color="black", linestyle="", markersize=9, label="finished"),
-    ]
+    drawn = {state for state, (verts, _) in polys.items() if verts}
+    handles = [handle for shown, handle in [
+        ("waiting" in drawn, Patch(facecolor=WAITING_COLOR, label="waiting")),
+        ("running" in drawn, Patch(facecolor="#777777", label="running (own colour)")),
+        ("swapped" in drawn, Patch(facecolor="#DDDDDD", hatch="////", label="swapped")),
+        (preempted, Line2D([], [], marker="x", color="black", linestyle="", label="preempted")),
+        (finished, Line2D([], [], marker="|", color="black", linestyle="", markersize=9, label="finished")),
+        (pruned, Line2D([], [], marker="|", color="#888888", linestyle="", markersize=9, label="pruned (beam)")),
+    ] if shown]  # fmt: skip
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
     return ax.figure

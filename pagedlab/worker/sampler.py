@@ -6,7 +6,7 @@ draws its E from its own `torch.Generator`, so its tokens do not depend on what 
 unseeded requests share the sampler's generator (seeded from the engine's seed, so runs are reproducible).
 Log-probabilities, when asked for, are those of the raw model distribution (before temperature), as vLLM's.
 
-# Explained in chapters/05_continuous_batching.ipynb
+# Explained in chapters/09_the_whole_engine.ipynb
 """
 
 from __future__ import annotations
