@@ -307,3 +307,14 @@ def test_self_draft_shares_the_target_weights(case):
     assert run_engine(engine, prompts, 24) == expected
     with pytest.raises(ValueError, match="num_layers must be from 1 to 1"):
         self_draft(model, 2)
+
+
+def test_the_trace_describes_verification_and_rollback(case):
+    from pagedlab.viz import describe_step
+
+    model, prompts, _ = case
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=64, speculative_config=NGRAM))
+    run_engine(engine, prompts[-2:], 12)
+    texts = [describe_step(engine.trace, i) for i in range(len(engine.trace))]
+    rolled = next(i for i, r in enumerate(engine.trace) if any(slots for _, slots in r.rolled_back))
+    assert "verified" in texts[rolled] and "rolled back slots" in texts[rolled]
