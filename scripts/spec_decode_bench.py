@@ -74,7 +74,8 @@ def configs(model, names: list[str]) -> dict[str, dict | None]:
             out[name] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
         elif name.startswith("self"):  # self<L>-k<k>: the first L layers as the draft
             layers, k = name.removeprefix("self").split("-k")
-            out[name] = {"method": "draft_model", "model": self_draft(model, int(layers)), "num_speculative_tokens": int(k)}
+            draft = self_draft(model, int(layers))
+            out[name] = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(k)}
         else:
             raise ValueError(f"unknown config {name!r}")
     return out
@@ -99,7 +100,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print(f"SmolLM2-135M-Instruct float32, {torch.get_num_threads()} torch thread(s), greedy, max_tokens "
           f"{args.max_tokens}, median of {args.rounds} interleaved rounds\n")  # fmt: skip
-    print("| workload | batch | config | output tok/s | range | speed-up | acceptance | mean accepted length | steps | same_tokens |")
+    print("| workload | batch | config | output tok/s | range | speed-up | acceptance | mean accepted length | steps "
+          "| same_tokens |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in args.workloads:
         for batch in args.batches:
@@ -124,7 +126,8 @@ def main() -> None:
                 accept = f"{100 * stats.spec_acceptance_rate:.0f}%" if stats.spec_num_drafts else "-"
                 length = f"{stats.spec_mean_acceptance_length:.2f}" if stats.spec_num_drafts else "-"
                 speedup = f"{base / median:.2f}x" if base else "-"
-                print(f"| {name} | {batch} | {config} | {num_tokens / median:.1f} | {min(rates):.0f}-{max(rates):.0f} | "
+                rate = f"{num_tokens / median:.1f} | {min(rates):.0f}-{max(rates):.0f}"
+                print(f"| {name} | {batch} | {config} | {rate} | "
                       f"{speedup} | {accept} | {length} | {steps} | {same} |", flush=True)  # fmt: skip
 
 

@@ -298,7 +298,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if u.request_id in sampled:
                 # the emitted tokens, cut after the first that finishes the sequence
                 n = len(u.new_token_ids)
-                assert u.new_token_ids == emitted[u.request_id][:n] and (n == len(emitted[u.request_id]) or u.finish_reason)
+                assert u.new_token_ids == emitted[u.request_id][:n]
+                assert n == len(emitted[u.request_id]) or u.finish_reason
                 self.tokens[u.request_id] += u.new_token_ids
         for (request_id, k, accepted), (rolled_id, slots) in zip(update.verified, update.rolled_back):
             assert request_id == rolled_id and accepted == num_accepted[request_id] and len(slots) == k - accepted

@@ -233,8 +233,9 @@ def test_rejection_sampling_follows_the_target_distribution():
     the draft, a draft is accepted with probability p(draft), and the bonus token after an accepted draft follows
     row 1's. 20 000 seeded verifications; a real bias of a few percent would fail."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)).eval()  # fmt: skip
+    config = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
     context = [1, 5, 2]
     with torch.inference_mode():
         probs = torch.softmax(model(torch.tensor([context])).logits[0, -1], -1)
@@ -277,7 +278,8 @@ def test_stops_and_min_tokens_match_no_speculation(case):
     ]
 
     def run(spec):
-        engine = LLMEngine(model, ByteTokenizer(), EngineConfig(block_size=4, num_kv_blocks=256, speculative_config=spec))
+        config = EngineConfig(block_size=4, num_kv_blocks=256, speculative_config=spec)
+        engine = LLMEngine(model, ByteTokenizer(), config)
         for i, params in enumerate(cases):
             engine.add_request(f"r{i}", {"prompt_token_ids": copying}, params)
         done = {}

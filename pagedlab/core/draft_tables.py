@@ -102,7 +102,8 @@ class DraftTables:
             committed = min(len(self.held[rid]), len(requests[rid].token_ids))
             self.num_committed[rid] = committed
             request = requests[rid]
-            self.kv.cache_full_blocks(rid, committed, lambda a, b, t=request.token_ids: list(t[a:b]), request.cache_salt)
+            tokens = request.token_ids
+            self.kv.cache_full_blocks(rid, committed, lambda a, b, t=tokens: list(t[a:b]), request.cache_salt)
             if work.sampling:
                 drafts[rid].append(sampled[rid])
 

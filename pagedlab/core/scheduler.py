@@ -252,7 +252,8 @@ class Scheduler(SchedulerState):
                 continue  # aborted, failed or finished after it was scheduled
             if scheduled.num_spec_tokens:
                 accepted = (num_accepted or {}).get(request.request_id, 0)
-                rollback_freed, rollback = accept(self, request, scheduled, sampled[request.request_id], accepted, updates)
+                token_id = sampled[request.request_id]
+                rollback_freed, rollback = accept(self, request, scheduled, token_id, accepted, updates)
                 freed += rollback_freed
                 verified.append((request.request_id, scheduled.num_spec_tokens, accepted))
                 rolled_back.append((request.request_id, rollback.slots))

@@ -101,7 +101,8 @@ def accept(
         if status is not None:
             break
     request.num_computed_tokens = min(computed, request.num_tokens)
-    scheduler.kv.cache_full_blocks(request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt)
+    kv = scheduler.kv
+    kv.cache_full_blocks(request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt)
     scheduler.stats.record_verification(work.num_spec_tokens, num_accepted)
     freed = list(rollback.freed)
     if status is not None:

@@ -43,7 +43,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.method == "ngram":
             if self.model is not None:
-                raise ValueError("speculative_config: method 'ngram' takes no model (it looks tokens up in the context)")
+                raise ValueError("speculative_config: method 'ngram' takes no model (it looks tokens up in context)")
             low = self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max
             high = self.prompt_lookup_max if self.prompt_lookup_max is not None else low
             low, high = (5, 5) if low is None else (low, high)
@@ -51,12 +51,14 @@ class SpeculativeConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
             if low > high:
-                raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+                raise ValueError(
+                    f"speculative_config: prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})"
+                )
             object.__setattr__(self, "prompt_lookup_min", low)
             object.__setattr__(self, "prompt_lookup_max", high)
         else:
             if self.model is None:
-                raise ValueError("speculative_config: method 'draft_model' needs a model (a name, path or model object)")
+                raise ValueError("speculative_config: method 'draft_model' needs a model (a name, path or object)")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
                 raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram' only")
 

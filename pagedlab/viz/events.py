@@ -108,8 +108,9 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
         if rid in verified:  # speculative decoding: a decode and its drafts, verified in one chunk
             k, accepted = verified[rid]
             slots = list(rolled_back.get(rid, ()))
-            text = (f"seq {rid} verified {k} draft token{'s' if k > 1 else ''} with its newest token (tokens {work.num_computed_tokens}-"
-                    f"{work.num_computed_tokens + work.num_new_tokens - 1}): accepted {accepted}"
+            first, last = work.num_computed_tokens, work.num_computed_tokens + work.num_new_tokens - 1
+            text = (f"seq {rid} verified {k} draft token{'s' if k > 1 else ''} with its newest token (tokens "
+                    f"{first}-{last}): accepted {accepted}"
                     + (f", rolled back slots {slots}" if slots else "")
                     + f", emitted {', '.join(_token(t, tokenizer) for t in emitted.get(rid, ()))}")  # fmt: skip
             events.append(text)

@@ -143,7 +143,9 @@ class ModelRunner:
             to_verify = [(t, row) for t, row in rows if t.request_id in verified]
             targets = [t for t, _ in rows if t.request_id not in verified]
             sample_rows = [row for t, row in rows if t.request_id not in verified]
-            verify_rows = [r for t, row in to_verify for r in range(row - verified[t.request_id].num_spec_tokens, row + 1)]
+            verify_rows = [
+                r for t, row in to_verify for r in range(row - verified[t.request_id].num_spec_tokens, row + 1)
+            ]
         with torch.inference_mode():
             logits = self.decode_graphs.run(input_ids, positions, metadata) if self.decode_graphs else None
             if logits is not None:
