@@ -320,3 +320,19 @@ def test_the_trace_describes_verification_and_rollback(case):
     texts = [describe_step(engine.trace, i) for i in range(len(engine.trace))]
     rolled = next(i for i, r in enumerate(engine.trace) if any(slots for _, slots in r.rolled_back))
     assert "verified" in texts[rolled] and "rolled back slots" in texts[rolled]
+
+
+def test_smollm2_greedy_matches_hf(smollm2):
+    """The embedded SmolLM2: a prompt it copies from (drafts accepted deep) and two questions, batched, with
+    n-gram lookup: Hugging Face's tokens."""
+    model, tokenizer = smollm2
+    texts = ["Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
+             "What is the capital of France?", "List three prime numbers."]  # fmt: skip
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+               for t in texts]  # fmt: skip
+    prompts = [list(p if isinstance(p, list) else p["input_ids"]) for p in prompts]
+    expected = hf_greedy(model, prompts, max_new_tokens=24)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    engine = LLMEngine(model, tokenizer, EngineConfig(block_size=16, num_kv_blocks=64, speculative_config=spec))
+    assert run_engine(engine, prompts, 24) == expected
+    assert engine.stats().spec_num_accepted_tokens > 0
