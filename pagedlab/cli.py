@@ -48,11 +48,15 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                        help="default auto (measures a cost model at start-up)")
     group.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
     group.add_argument("--engine-seed", type=int, default=None, help="seed of requests that bring none")
+    group.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="split the model and KV cache over this many worker processes (default 1)")
+    group.add_argument("--distributed-timeout", type=float, default=None,
+                       help="seconds a tensor-parallel rank may take to answer before the engine stops (default 300)")
 
 
 _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-                  "preemption_mode", "attention_backend")  # fmt: skip
+                  "preemption_mode", "attention_backend", "tensor_parallel_size", "distributed_timeout")  # fmt: skip
 
 
 def _engine_kwargs(args) -> dict:

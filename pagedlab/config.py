@@ -38,6 +38,10 @@ class EngineConfig:
     record_trace: keep a `StepRecord` of each step (what the chapters draw).
     max_trace_steps: keep only the most recent this many steps in the trace (None: all), so that a long-running
         engine stays in bounded memory; `trace.num_dropped` counts the older ones.
+    tensor_parallel_size: split the model and the KV cache over this many ranks, each in its own process (or the
+        processes of `torchrun`); see `pagedlab.worker.executor`. The model must be a folder or Hub id.
+    distributed_timeout: seconds a tensor-parallel rank may take to start, or to answer a step (and a collective
+        may wait), before the engine declares it hung, stops every rank and raises.
     speculative_config: speculative decoding, vLLM's dict (`pagedlab.spec_decode.SpeculativeConfig`): draft tokens
         by n-gram lookup or a draft model, verified by the target in its next pass. None (default): off.
     """
@@ -61,6 +65,8 @@ class EngineConfig:
     seed: int = 0
     record_trace: bool = True
     max_trace_steps: int | None = 1000
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = 300.0
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -85,5 +91,13 @@ class EngineConfig:
             raise ValueError(f"force_preemption_rate must be in [0, 1], got {self.force_preemption_rate}")
         if self.max_trace_steps is not None and self.max_trace_steps < 1:
             raise ValueError(f"max_trace_steps must be >= 1 or None, got {self.max_trace_steps}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method 'draft_model' runs its draft in the engine's own process and "
+                             "does not combine with tensor_parallel_size > 1; use method 'ngram'")  # fmt: skip
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")

@@ -37,9 +37,9 @@ BEAM_SAMPLING = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True) 
 class LLMEngine:
     """Continuous batching over a paged KV cache, one `step()` at a time."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, worker=None) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.worker = Worker(model, config)
+        self.worker = worker if worker is not None else Worker(model, config)  # or an executor of N ranks
         self.config = config = self.worker.config  # max_model_len resolved against the model and the cache
         self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -61,6 +61,11 @@ class LLMEngine:
     def from_pretrained(cls, model=None, tokenizer=None, *, dtype="auto", device="auto", **config) -> LLMEngine:
         """Load `model` (the embedded default, a path or Hub id, or a model object) and build an engine."""
         engine_config = EngineConfig(**config)
+        if engine_config.tensor_parallel_size > 1:  # the weights live in N ranks (pagedlab.worker.executor)
+            from pagedlab.worker.executor import launch
+
+            model, tokenizer, worker = launch(model, tokenizer, dtype, device, engine_config)
+            return cls(model, tokenizer, engine_config, worker)
         model, tokenizer = load_model(model, tokenizer, dtype, device)
         return cls(model, tokenizer, engine_config)
 
@@ -241,4 +246,8 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (also done when it is garbage-collected)."""
+        self.worker.shutdown()
 

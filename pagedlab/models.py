@@ -112,7 +112,7 @@ def load_model(model, tokenizer, dtype="auto", device="auto"):
     too (the engine switches to eval mode only for the duration of its own calls). A name or a path is loaded in
     `dtype` on `device` ("auto": float32 on CPU, bfloat16 on CUDA) and put in eval mode.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+    from transformers import AutoTokenizer, PreTrainedModel
 
     if model is None:
         model = DEFAULT_MODEL
@@ -127,10 +127,27 @@ def load_model(model, tokenizer, dtype="auto", device="auto"):
         raise TypeError(f"model must be a name, a path or a transformers PreTrainedModel, got {type(model).__name__}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    path = embedded_model_dir() if str(model) == DEFAULT_MODEL else model
-    config = AutoConfig.from_pretrained(path)
-    check_supported(config)
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    path = model_path(model)
+    return load_weights(path, dtype, device), load_tokenizer(path, tokenizer)
+
+
+def model_path(model) -> str | os.PathLike:
+    """The folder or Hub id to load `model` (a name, a path, or None for the embedded default) from."""
+    return embedded_model_dir() if model is None or str(model) == DEFAULT_MODEL else model
+
+
+def load_weights(path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The causal LM at `path`, in `dtype` on `device`, in eval mode (a supported family, else a ValueError)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_supported(AutoConfig.from_pretrained(path))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def load_tokenizer(path, tokenizer=None):
+    """`tokenizer` (an object, a path, or None for the one saved with the model at `path`; None if it has none)."""
+    from transformers import AutoTokenizer
+
     local = Path(path)
     if tokenizer is None and local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
         logger.warning("%s has no tokenizer: prompts must be given as token ids", path)
@@ -138,7 +155,7 @@ def load_model(model, tokenizer, dtype="auto", device="auto"):
         tokenizer = AutoTokenizer.from_pretrained(path)
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    return loaded, tokenizer
+    return tokenizer
 
 
 def _check_own(model, dtype, device) -> None:

@@ -336,3 +336,9 @@ def test_smollm2_greedy_matches_hf(smollm2):
     engine = LLMEngine(model, tokenizer, EngineConfig(block_size=16, num_kv_blocks=64, speculative_config=spec))
     assert run_engine(engine, prompts, 24) == expected
     assert engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_a_draft_model_does_not_combine_with_tensor_parallelism():
+    spec = {"method": "draft_model", "model": "any", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="does not combine with tensor_parallel_size > 1; use method 'ngram'"):
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2)

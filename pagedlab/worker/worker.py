@@ -34,11 +34,18 @@ class ModelRunnerOutput(RunnerOutput):
 
 
 class Worker:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    """The device side in this process. `kv_cache_spec`: the KV cache's shape, by default the model's; a
+    tensor-parallel rank (`pagedlab.worker.tp_worker`) passes its share of the heads."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
+        if config.tensor_parallel_size > 1 and kv_cache_spec is None:
+            from pagedlab.worker.executor import refuse_model_object
+
+            refuse_model_object(config.tensor_parallel_size)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.spec = KVCacheSpec.from_model_config(model.config, self.dtype)
+        self.spec = kv_cache_spec or KVCacheSpec.from_model_config(model.config, self.dtype)
         self.num_blocks, max_model_len = self._size_kv_cache(model.config, config)
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
         self.bytes_per_block = self.spec.bytes_per_block(config.block_size)
@@ -140,6 +147,9 @@ class Worker:
         """Finished sequences: drop their sampling state."""
         for request_id in request_ids:
             self.model_runner.sampler.forget(request_id)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: everything runs in this process (an executor of worker processes stops them)."""
 
 
 def _message(exc: Exception) -> str:

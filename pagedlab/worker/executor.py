@@ -1,0 +1,256 @@
+"""The device side over N processes, behind the `Worker`'s interface: vLLM V1's `MultiprocExecutor`.
+
+The driver (the engine's process: scheduler, block manager, outputs) starts one process per rank
+(`tp_worker.worker_main`), hosts the store through which they find each other, and at every step sends all of them
+the same pickled `SchedulerOutput` (a broadcast over pipes); each rank applies the block moves to its own KV pool
+and runs its shard; rank 0 sends the step's `ModelRunnerOutput` back. A rank that dies, raises or does not answer
+within `distributed_timeout` stops every rank and raises `TensorParallelError`. `shutdown()`, garbage collection
+of the executor and the end of the interpreter all stop the ranks and wait for them.
+
+Under `torchrun` nothing is started: every process runs the same script, hence the same engine, with its rank in
+process (vLLM's "external launcher"); the scheduler is deterministic, so every rank schedules the same steps.
+
+# Explained in chapters/12_tensor_parallelism.ipynb
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+import torch
+
+from pagedlab.config import EngineConfig
+from pagedlab.core.preemption import PreemptionMode
+from pagedlab.core.sched_output import SchedulerOutput
+from pagedlab.models import check_supported, load_tokenizer, model_path, resolve_device, resolve_dtype
+from pagedlab.worker.tensor_parallel import check_tensor_parallel_size
+from pagedlab.worker.worker import ModelRunnerOutput
+
+logger = logging.getLogger("pagedlab")
+START_METHOD_VARIABLE = "PAGEDLAB_WORKER_MULTIPROC_METHOD"  # forkserver (default where there is one), spawn, fork
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, raised or hung; every rank has been stopped."""
+
+
+def refuse_model_object(size: int) -> None:
+    raise ValueError(
+        f"tensor_parallel_size={size} needs the model as a folder or Hub id: each rank loads its own shard in its "
+        f"own process, and a model object lives in this one; save it (model.save_pretrained(folder)) and pass "
+        f"the folder"
+    )
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(model, tokenizer, dtype, device, config: EngineConfig):
+    """(the driver's model, tokenizer, worker) of a tensor-parallel engine.
+
+    The driver's model is the architecture on PyTorch's meta device (its config, generation config and shapes, no
+    weights); under torchrun it is this rank's shard."""
+    from transformers import AutoConfig, PreTrainedModel
+
+    size = config.tensor_parallel_size
+    if isinstance(model, PreTrainedModel):
+        refuse_model_object(size)
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a name, a path or a transformers PreTrainedModel, got {type(model).__name__}")
+    device, path = resolve_device(device), model_path(model)
+    dtype = resolve_dtype(dtype, device)
+    hf_config = AutoConfig.from_pretrained(path)
+    check_supported(hf_config)
+    check_tensor_parallel_size(hf_config, size)  # before any process starts
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} CUDA devices; torch sees {torch.cuda.device_count()}"
+        )
+    tokenizer = load_tokenizer(path, tokenizer)
+    if under_torchrun():
+        from pagedlab.worker.tp_worker import RankWorker, init_distributed
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+        rank_device = torch.device("cuda", local_rank) if device.type == "cuda" else device
+        mesh = init_distributed(rank, size, rank_device, timeout=config.distributed_timeout)
+        ranked = RankWorker(path, dtype, rank_device, config, mesh)
+        return ranked.model, tokenizer, ranked.worker
+    return driver_model(path, hf_config, dtype), tokenizer, MultiprocExecutor(path, dtype, device, config)
+
+
+def driver_model(path, hf_config, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's architecture on the meta device: what the driver reads (vocabulary, EOS ids), no memory."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: the one derived from the config stays
+        pass
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class RemoteSwapPools:
+    """The CPU swap pools, one per rank in the rank's process (each holds its heads of `num_blocks` blocks)."""
+
+    num_blocks: int
+    bytes_per_rank: int
+
+
+def _context():
+    method = os.environ.get(START_METHOD_VARIABLE) or (
+        "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    )
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":  # the fork server imports torch and pagedlab once; each rank is then a fork of it
+        context.set_forkserver_preload(["pagedlab.worker.tp_worker"])
+    return context
+
+
+class MultiprocExecutor:
+    """N ranks in N processes, used by the engine exactly as it uses a `Worker`."""
+
+    def __init__(self, path, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
+        import torch.distributed as dist
+
+        from pagedlab.worker.tp_worker import RankInfo, worker_main
+
+        self.size, self.timeout = config.tensor_parallel_size, config.distributed_timeout
+        self._failure: str | None = None
+        self._forget: list[str] = []
+        # The ranks meet at a store this process hosts, on a free port: nothing to configure, no port to collide.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        context = _context()
+        num_threads = max(1, torch.get_num_threads() // self.size)
+        self.processes, self.connections = [], []
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self.connections)
+        for rank in range(self.size):
+            rank_device = torch.device("cuda", rank) if device.type == "cuda" else device
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=worker_main, name=f"pagedlab-tp-rank{rank}", daemon=True,
+                args=(rank, self.size, path, dtype, rank_device, config, ("127.0.0.1", self._store.port), theirs,
+                      num_threads),
+            )  # fmt: skip
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.connections.append(ours)
+        self.ranks: list[RankInfo] = self._gather("start-up")
+        first = self.ranks[0]
+        self.config = dataclasses.replace(config, max_model_len=first.max_model_len)
+        self.num_blocks, self.num_cpu_blocks = first.num_blocks, first.num_cpu_blocks
+        self.bytes_per_block = first.bytes_per_block * self.size  # a block's bytes over all ranks
+        self.cpu_kv_cache = None
+        if PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE:
+            self.cpu_kv_cache = RemoteSwapPools(first.num_cpu_blocks, first.num_cpu_blocks * first.bytes_per_block)
+        self.cost_model = first.cost_model
+        self.attention_backend = first.attention_backend
+
+    # -- the Worker's interface ---------------------------------------------------------------------------------
+
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step to every rank; rank 0's output comes back (the others computed the same)."""
+        forget, self._forget = self._forget, []
+        return self.collective_rpc("execute_model", output, forget)[0]
+
+    def forget(self, request_ids) -> None:
+        """Finished sequences: the ranks drop their sampling state with the next step's message."""
+        self._forget.extend(request_ids)
+
+    def shutdown(self) -> None:
+        """Stop every rank and wait for it (safe to call twice)."""
+        self._finalizer()
+
+    # -- messages -------------------------------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, *args) -> list:
+        """Call `RankWorker.<method>(*args)` on every rank; their results in rank order."""
+        if self._failure is not None:
+            raise TensorParallelError(f"the tensor-parallel ranks were stopped: {self._failure}")
+        payload = pickle.dumps((method, args))  # pickled once, sent N times
+        for rank, connection in enumerate(self.connections):
+            try:
+                connection.send_bytes(payload)
+            except OSError:
+                self._fail(f"rank {rank} is gone ({self._exit_status(rank)})")
+        return self._gather(method)
+
+    def _gather(self, what: str) -> list:
+        """One reply from every rank, within the timeout, watching every process for an early death."""
+        deadline = time.monotonic() + self.timeout
+        replies: dict[int, object] = {}
+        pending = dict(enumerate(self.connections))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(f"rank(s) {sorted(pending)} did not answer {what!r} within {self.timeout:g} s "
+                           f"(distributed_timeout): hung")  # fmt: skip
+            sentinels = {self.processes[rank].sentinel: rank for rank in pending}
+            ready = wait([*pending.values(), *sentinels], timeout=remaining)
+            for rank, connection in list(pending.items()):
+                if connection in ready:
+                    try:
+                        status, value = pickle.loads(connection.recv_bytes())
+                    except (EOFError, OSError):
+                        self._fail(f"rank {rank} died during {what!r} ({self._exit_status(rank)}){_hint(what)}")
+                    if status == "error":
+                        self._fail(f"rank {rank} raised during {what!r}:\n{value}")
+                    replies[rank] = value
+                    del pending[rank]
+            for sentinel, rank in sentinels.items():
+                if sentinel in ready and rank in pending and not pending[rank].poll():
+                    self._fail(f"rank {rank} died during {what!r} ({self._exit_status(rank)}){_hint(what)}")
+        return [replies[rank] for rank in range(self.size)]
+
+    def _exit_status(self, rank: int) -> str:
+        process = self.processes[rank]
+        process.join(timeout=0.1)
+        code = process.exitcode
+        if code is None:
+            return f"pid {process.pid}, still running"
+        return f"pid {process.pid}, killed by signal {-code}" if code < 0 else f"pid {process.pid}, exit code {code}"
+
+    def _fail(self, why: str):
+        self._failure = why.splitlines()[0]
+        self.shutdown()
+        raise TensorParallelError(why)
+
+
+def _hint(what: str) -> str:
+    if what != "start-up":
+        return ""
+    return ("; its error is printed above. A rank process imports the main script again (forkserver or spawn): "
+            "a script that builds an LLM must guard its top level with `if __name__ == \"__main__\":`")
+
+
+def _stop(processes, connections, grace: float = 5.0) -> None:
+    """Ask every rank to stop, wait `grace` seconds, then terminate and kill what is left; close the pipes."""
+    for connection in connections:
+        try:
+            connection.send_bytes(pickle.dumps(("shutdown", ())))
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=1.0)
+        if process.is_alive():
+            process.kill()  # a stopped (SIGSTOP) or stuck process ignores SIGTERM until it runs again
+            process.join()
+    for connection in connections:
+        connection.close()

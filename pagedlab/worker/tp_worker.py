@@ -1,0 +1,169 @@
+"""One tensor-parallel rank: its process group, its shard of the model and of the paged KV cache, its `Worker`.
+
+Every rank loads the model from its folder, cuts its shard (`tensor_parallel.shard_model`) and builds an ordinary
+`Worker` over it, whose KV cache holds this rank's `num_kv_heads / N` heads in as many blocks as every other
+rank: the ranks agree on the smallest count, so one block table addresses all N pools. The start-up measurement
+behind "auto" preemption is rank 0's, so that every rank's scheduler (under torchrun) decides alike.
+
+`RankWorker` is what a rank runs; `worker_main` is the loop of a rank in its own process, answering the driver
+(`pagedlab.worker.executor.MultiprocExecutor`) until it says stop or goes away.
+
+# Explained in chapters/12_tensor_parallelism.ipynb
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pagedlab.config import EngineConfig
+from pagedlab.core.sched_output import SchedulerOutput
+from pagedlab.models import load_weights
+from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.tensor_parallel import CollectiveStats, shard_model
+from pagedlab.worker.worker import ModelRunnerOutput, Worker
+
+logger = logging.getLogger("pagedlab")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank tells the driver once it is ready."""
+
+    rank: int
+    num_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    bytes_per_block: int  # this rank's share of a block
+    kv_cache_bytes: int  # this rank's KV pool
+    kv_heads: tuple[int, int]  # the KV heads [start, stop) this rank holds
+    attention_backend: str
+    cost_model: object  # PreemptionCostModel | None (rank 0's, on every rank)
+
+
+def init_distributed(rank: int, size: int, device: torch.device, store=None, timeout: float = 300.0):
+    """Join the process group (gloo on CPU, nccl on CUDA) and return the 1-D device mesh of the ranks."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
+    if dist.get_world_size() != size:
+        raise ValueError(f"tensor_parallel_size={size} but the process group has {dist.get_world_size()} ranks")
+    return init_device_mesh(device.type, (size,))
+
+
+class RankWorker:
+    """This rank's sharded model and its `Worker`; the driver's messages are its methods."""
+
+    def __init__(self, model_path, dtype, device: torch.device, config: EngineConfig, mesh) -> None:
+        self.rank, self.size = mesh.get_local_rank(), mesh.size()
+        self.stats = CollectiveStats()
+        model = load_weights(model_path, dtype, device)
+        self.model = shard_model(model, mesh, self.stats)
+        full = KVCacheSpec.from_model_config(model.config, next(self.model.parameters()).dtype)
+        spec = dataclasses.replace(full, num_kv_heads=full.num_kv_heads // self.size)
+        self.kv_heads = (self.rank * spec.num_kv_heads, (self.rank + 1) * spec.num_kv_heads)
+        # The same number of blocks on every rank: the smallest any rank's budget allows.
+        wanted_len = config.max_model_len or getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        num_blocks = torch.tensor(num_blocks_for_budget(
+            spec, config.block_size, device, num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
+            max_useful_tokens=config.max_num_seqs * wanted_len,
+        ))  # fmt: skip
+        dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=mesh.get_group())
+        # CUDA graphs would have to record the collectives too: tensor-parallel steps run eagerly.
+        rank_config = dataclasses.replace(config, num_kv_blocks=int(num_blocks), enforce_eager=True)
+        self.worker = Worker(self.model, rank_config, kv_cache_spec=spec)
+        shared = [self.worker.cost_model]
+        dist.broadcast_object_list(shared, src=0, group=mesh.get_group())
+        self.worker.cost_model = shared[0]
+        self.worker.config = dataclasses.replace(
+            self.worker.config, num_kv_blocks=config.num_kv_blocks, enforce_eager=config.enforce_eager
+        )  # what the engine was asked for, with max_model_len resolved
+        self.stats.reset()  # the start-up measurements are not steps
+
+    def info(self) -> RankInfo:
+        worker = self.worker
+        return RankInfo(
+            self.rank, worker.num_blocks, worker.num_cpu_blocks, worker.config.max_model_len, worker.bytes_per_block,
+            self.kv_cache_bytes(), self.kv_heads, worker.attention_backend, worker.cost_model,
+        )  # fmt: skip
+
+    def execute_model(self, output: SchedulerOutput, forget: list[str]) -> ModelRunnerOutput:
+        self.worker.forget(forget)
+        return self.worker.execute_model(output)
+
+    def kv_cache_bytes(self) -> int:
+        """The bytes of this rank's KV pool (its heads of every block)."""
+        return self.worker.model_runner.kv_cache.nbytes
+
+    def swap_cache_bytes(self) -> int:
+        """The bytes of this rank's CPU swap pool (its heads of every CPU block)."""
+        cpu = self.worker.cpu_kv_cache
+        return cpu.cache.nbytes if cpu is not None else 0
+
+    def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's K and V of some blocks: [layers, 2, len(block_ids), block_size, kv_heads / N, head_dim]."""
+        return self.worker.model_runner.kv_cache[:, :, block_ids].cpu()
+
+    def collective_stats(self, reset: bool = False) -> CollectiveStats:
+        snapshot = self.stats.snapshot()
+        if reset:
+            self.stats.reset()
+        return snapshot
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies, even while it waits in a collective."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def worker_main(rank: int, size: int, model_path, dtype, device, config, store_addr, conn, num_threads) -> None:
+    """A rank in its own process: build, report `RankInfo`, then answer (method, args) messages until "shutdown"
+    or until the driver's end of the pipe closes. Replies are ("ok", value) or ("error", traceback text); only
+    rank 0 sends the step's output back (every rank computed the same)."""
+    _die_with_parent()
+    if device.type == "cpu":
+        torch.set_num_threads(num_threads)
+    try:
+        host, port = store_addr
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.distributed_timeout))
+        mesh = init_distributed(rank, size, device, store, config.distributed_timeout)
+        ranked = RankWorker(model_path, dtype, device, config, mesh)
+        conn.send_bytes(pickle.dumps(("ok", ranked.info())))
+    except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        return
+    while True:
+        try:
+            method, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the driver is gone
+            break
+        if method == "shutdown":
+            break
+        try:
+            result = getattr(ranked, method)(*args)
+            reply = ("ok", None if method == "execute_model" and rank != 0 else result)
+        except BaseException:  # noqa: BLE001
+            reply = ("error", traceback.format_exc())
+        try:
+            conn.send_bytes(pickle.dumps(reply))
+        except (BrokenPipeError, OSError):
+            break
+    dist.destroy_process_group()
