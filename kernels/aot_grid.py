@@ -81,13 +81,14 @@ class KernelSpec:
 _DECODE_AXES = dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS,
                     index_dtype=INDEX_DTYPES)  # fmt: skip
 _INDEX = dict(block_tables_ptr="index_dtype", context_lens_ptr="index_dtype")
+_SCALES = dict(kv_scales_ptr="float32")  # a float8 cache's K and V scales (FP8 variants: not in this grid yet)
 _PARTIALS = dict(partial_max_ptr="float32", partial_sum_ptr="float32", partial_out_ptr="float32")
 KERNELS = (
     KernelSpec("store_kv_kernel", "store_kv", dict(dtype=DTYPES, num_kv_heads=KV_HEADS, head_dim=HEAD_DIMS),
                _store_kv, dict(slot_mapping_ptr="int64")),
-    KernelSpec("paged_decode_kernel", "paged_decode", _DECODE_AXES, _decode, _INDEX, uses_dot=True),
+    KernelSpec("paged_decode_kernel", "paged_decode", _DECODE_AXES, _decode, {**_INDEX, **_SCALES}, uses_dot=True),
     KernelSpec("paged_decode_split_kernel", "paged_decode", _DECODE_AXES, lambda case: _decode(case, split_k=True),
-               {**_INDEX, **_PARTIALS}, uses_dot=True),
+               {**_INDEX, **_PARTIALS, **_SCALES}, uses_dot=True),
     KernelSpec("paged_decode_reduce_kernel", "paged_decode",
                dict(dtype=DTYPES, head_dim=HEAD_DIMS, window=WINDOWS, index_dtype=INDEX_DTYPES), _reduce,
                {"context_lens_ptr": "index_dtype", **_PARTIALS}),
@@ -95,7 +96,7 @@ KERNELS = (
                dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS,
                     index_dtype=INDEX_DTYPES),
                _prefill, dict(block_tables_ptr="index_dtype", query_start_loc_ptr="index_dtype",
-                              num_context_ptr="index_dtype"), uses_dot=True),
+                              num_context_ptr="index_dtype", **_SCALES), uses_dot=True),
 )  # fmt: skip
 
 

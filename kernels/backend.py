@@ -44,10 +44,11 @@ def triton_attention(
     metadata,  # pagedlab.worker.attention.AttentionMetadata
     scale: float | None,
     sliding_window: int | None,
+    kv_scales: torch.Tensor | None = None,  # [2] float32 K and V scales of a float8 cache
 ) -> torch.Tensor:
     """Returns out [num_tokens, q_heads, head_dim], like the torch path (rows outside every chunk and past the
     decodes are left uninitialised, as there)."""
-    store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+    store_kv(k, v, key_cache, value_cache, metadata.slot_mapping, kv_scales)
     # One output buffer for every layer of the step: layer l's output is read (by its o_proj) before layer
     # l + 1 writes, in stream order. Likewise split-K's partials. Nothing is allocated per layer.
     workspace = metadata.kernel_inputs
@@ -56,7 +57,7 @@ def triton_attention(
     if num_decodes:
         paged_decode(
             q[:num_decodes], key_cache, value_cache, metadata.decode_block_tables, metadata.decode_context_lens,
-            scale, sliding_window, out=out[:num_decodes], workspace=workspace,
+            scale, sliding_window, out=out[:num_decodes], workspace=workspace, kv_scales=kv_scales,
         )  # fmt: skip
     if metadata.prefills:
         inputs = metadata.kernel_inputs.get("prefill")  # built once per step, not once per layer
@@ -65,6 +66,6 @@ def triton_attention(
         query_start_loc, num_context, block_tables, max_num_new = inputs
         paged_prefill(
             q, key_cache, value_cache, query_start_loc, num_context, block_tables, scale, sliding_window,
-            max_num_new=max_num_new, out=out,
+            max_num_new=max_num_new, out=out, kv_scales=kv_scales,
         )  # fmt: skip
     return out

@@ -57,14 +57,14 @@ PARTITION_SIZE = 512  # keys per split-K partition (a multiple of BLOCK_N)
 @triton.jit
 def load_kv_tile(
     key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """The keys and values at positions tile_start .. tile_start + BLOCK_N of one sequence and KV head, read slot
     by slot through its block table: returns (positions, valid, key, value), key and value [BLOCK_N, BLOCK_D].
-    Positions outside [first_pos, end_pos) and dims past HEAD_DIM are not read (their K/V load as 0).
-    Shared by the decode and prefill kernels (paged_prefill.py)."""
+    Positions outside [first_pos, end_pos) and dims past HEAD_DIM are not read (their K/V load as 0). A float8
+    cache (KV_FP8) is dequantised here, tile by tile: float32 values x k_scale / v_scale. Shared by the decode and prefill kernels (paged_prefill.py)."""
     positions = tile_start + tl.arange(0, BLOCK_N)
     valid = (positions >= first_pos) & (positions < end_pos)
     dims = tl.arange(0, BLOCK_D)
@@ -74,18 +74,32 @@ def load_kv_tile(
     kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
     key = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     value = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        key, value = key.to(tl.float32) * k_scale, value.to(tl.float32) * v_scale
     if DOT_FP32:
         key, value = key.to(tl.float32), value.to(tl.float32)
     return positions, valid, key, value
 
 
 @triton.jit
+def load_kv_scales(kv_scales_ptr, KV_FP8: tl.constexpr):
+    """The layer's K and V scales ([2] float32 at kv_scales_ptr) for a float8 cache; unread (1.0) otherwise."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(kv_scales_ptr)
+        v_scale = tl.load(kv_scales_ptr + 1)
+    return k_scale, v_scale
+
+
+@triton.jit
 def _attend_keys(
     query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr,  # this sequence's table, this query head group
     first_pos, end_pos,  # attend to keys at positions [first_pos, end_pos)
-    scale_log2e, stride_query_head, stride_cache_block, stride_cache_slot, stride_cache_head, kv_head,
+    scale_log2e, stride_query_head, stride_cache_block, stride_cache_slot, stride_cache_head, kv_head, kv_scales_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of the group's query heads over keys [first_pos, end_pos): returns (m, l, o)."""
     tl.static_assert(BLOCK_G >= GROUP, "the query head group must fit in BLOCK_G")
@@ -99,14 +113,17 @@ def _attend_keys(
     )
     if DOT_FP32:
         query = query.to(tl.float32)
+    k_scale, v_scale = load_kv_scales(kv_scales_ptr, KV_FP8)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tile_start in range(first_pos - first_pos % BLOCK_N, end_pos, BLOCK_N):
         positions, valid, key, value = load_kv_tile(
             key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
-            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32,
+            stride_cache_block, stride_cache_slot, stride_cache_head, k_scale, v_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32, KV_FP8,
         )  # fmt: skip
+        key, value = key.to(query.dtype), value.to(query.dtype)  # a no-op but for a float8 cache
         scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale_log2e  # [BLOCK_G, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: each tile holds a valid key
@@ -122,12 +139,14 @@ def _attend_keys(
 def paged_decode_kernel(
     out_ptr, query_ptr,  # [B, q_heads, head_dim], unit dim stride
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim], unit dim stride
+    kv_scales_ptr,  # [2] float32: K and V scale of a float8 cache (read only when KV_FP8)
     block_tables_ptr, context_lens_ptr,  # [B, max_blocks], [B]
     scale_log2e, sliding_window,
     stride_out_seq, stride_out_head, stride_query_seq, stride_query_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """v1: grid (B, kv_heads)."""
     seq = tl.program_id(0)
@@ -138,8 +157,8 @@ def paged_decode_kernel(
     m, l, o = _attend_keys(
         query_group_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_table_seq,
         first_pos, context_len, scale_log2e, stride_query_head,
-        stride_cache_block, stride_cache_slot, stride_cache_head, kv_head,
-        GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32,
+        stride_cache_block, stride_cache_slot, stride_cache_head, kv_head, kv_scales_ptr,
+        GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, KV_FP8,
     )
     heads = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -152,13 +171,13 @@ def paged_decode_kernel(
 def paged_decode_split_kernel(
     partial_max_ptr, partial_sum_ptr,  # [B, q_heads, num_partitions] float32
     partial_out_ptr,  # [B, q_heads, num_partitions, head_dim] float32, contiguous
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, kv_scales_ptr, block_tables_ptr, context_lens_ptr,
     scale_log2e, sliding_window,
     stride_query_seq, stride_query_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """v2, pass 1: grid (B, kv_heads, num_partitions). Partitions holding no visible key write nothing."""
     tl.static_assert(PARTITION_SIZE % BLOCK_N == 0, "a key tile must not straddle two partitions")
@@ -174,8 +193,8 @@ def paged_decode_split_kernel(
     m, l, o = _attend_keys(
         query_group_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_table_seq,
         first_pos, end_pos, scale_log2e, stride_query_head,
-        stride_cache_block, stride_cache_slot, stride_cache_head, kv_head,
-        GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32,
+        stride_cache_block, stride_cache_slot, stride_cache_head, kv_head, kv_scales_ptr,
+        GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, DOT_FP32, KV_FP8,
     )
     heads = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -243,7 +262,8 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 def decode_constants(
-    dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool, split_k: bool = False
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool, split_k: bool = False,
+    kv_fp8: bool = False,
 ) -> dict:  # fmt: skip
     """The constexprs (and warps) the wrapper picks for `paged_decode_kernel` (with split_k, the split kernel):
     the query head group padded to a power of two (BLOCK_G), the head dim padded to a power of two of at least
@@ -257,7 +277,7 @@ def decode_constants(
     constants = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d, BLOCK_N=BLOCK_N if row_bytes <= 512 else BLOCK_N // 2,
-        DOT_FP32=dot_in_fp32(dtype), num_warps=8 if row_bytes >= 512 else 4,
+        DOT_FP32=dot_in_fp32(dtype), KV_FP8=kv_fp8, num_warps=8 if row_bytes >= 512 else 4,
     )  # fmt: skip
     return {**constants, "PARTITION_SIZE": PARTITION_SIZE} if split_k else constants
 
@@ -275,8 +295,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, query: torch.Tensor) -> None:
-    """Shapes, dtypes and layout shared by the decode and prefill wrappers; raises ValueError."""
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, query: torch.Tensor, kv_scales=None) -> None:
+    """Shapes, dtypes and layout shared by the decode and prefill wrappers; raises ValueError. A float8 cache
+    needs `kv_scales`, its [2] float32 K and V scales on the query's device."""
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"query must be float32, float16 or bfloat16, got {query.dtype}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -292,7 +316,12 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, query: torch
         raise ValueError(f"head_dim {head_dim} > 256 is not supported (one head row must fit in registers)")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+    if key_cache.dtype in FP8_DTYPES and value_cache.dtype == key_cache.dtype:
+        if kv_scales is None or kv_scales.shape != (2,) or kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous():
+            raise ValueError("a float8 cache needs kv_scales: a contiguous [2] float32 tensor (K and V scale)")
+        if kv_scales.device != query.device:
+            raise ValueError(f"kv_scales must be on {query.device}, got {kv_scales.device}")
+    elif key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
         raise ValueError(f"query is {query.dtype} but the caches are {key_cache.dtype} and {value_cache.dtype}")
     if key_cache.stride() != value_cache.stride() or key_cache.stride(3) != 1:
         raise ValueError("key_cache and value_cache must have the same strides and a unit head_dim stride")
@@ -334,6 +363,7 @@ def paged_decode(
     split_k: bool | None = None,  # None: decided by `use_split_k`
     out: torch.Tensor | None = None,  # [B, q_heads, head_dim], written in place
     workspace: dict | None = None,  # split-K's partial results live here, reused by every call of a step
+    kv_scales: torch.Tensor | None = None,  # [2] float32 K and V scales, for a float8 cache only
 ) -> torch.Tensor:
     """Decode attention through the block tables; returns `out` ([B, q_heads, head_dim], query's dtype).
 
@@ -341,7 +371,9 @@ def paged_decode(
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [batch, q_heads, head_dim], got {tuple(query.shape)}")
-    check_cache(key_cache, value_cache, query)
+    check_cache(key_cache, value_cache, query, kv_scales)
+    kv_fp8 = key_cache.dtype in FP8_DTYPES
+    kv_scales = kv_scales if kv_fp8 else query  # any pointer: unread
     batch_size, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1:3]
     check_int(block_tables, "block_tables", (batch_size, None))
@@ -367,13 +399,13 @@ def paged_decode(
     if split_k is None:
         split_k = use_split_k(batch_size, max_context_len, num_kv_heads, _num_sms(query.device))
     has_window = sliding_window is not None
-    constants = decode_constants(query.dtype, group, head_dim, block_size, has_window)
+    constants = decode_constants(query.dtype, group, head_dim, block_size, has_window, kv_fp8=kv_fp8)
     cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0))
     scale_log2e = scale * math.log2(math.e)
     window = sliding_window or 0  # ignored unless HAS_WINDOW
     if not split_k:
         paged_decode_kernel[(batch_size, num_kv_heads)](
-            out, query, key_cache, value_cache, block_tables, context_lens, scale_log2e, window,
+            out, query, key_cache, value_cache, kv_scales, block_tables, context_lens, scale_log2e, window,
             out.stride(0), out.stride(1), query.stride(0), query.stride(1), *cache_strides, **constants,
         )  # fmt: skip
         return out
@@ -384,9 +416,9 @@ def paged_decode(
     partial_sum = scratch(workspace, "split_k_sum", shape, query.device)
     partial_out = scratch(workspace, "split_k_out", (*shape, head_dim), query.device)
     paged_decode_split_kernel[(batch_size, num_kv_heads, num_partitions)](
-        partial_max, partial_sum, partial_out, query, key_cache, value_cache, block_tables, context_lens,
+        partial_max, partial_sum, partial_out, query, key_cache, value_cache, kv_scales, block_tables, context_lens,
         scale_log2e, window, query.stride(0), query.stride(1), *cache_strides,
-        **decode_constants(query.dtype, group, head_dim, block_size, has_window, split_k=True),
+        **decode_constants(query.dtype, group, head_dim, block_size, has_window, split_k=True, kv_fp8=kv_fp8),
     )  # fmt: skip
     paged_decode_reduce_kernel[(batch_size, num_q_heads)](
         out, partial_max, partial_sum, partial_out, context_lens, window, num_partitions,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import check_cache, check_devices, check_int, dot_in_fp32, load_kv_tile
+from .paged_decode import FP8_DTYPES, check_cache, check_devices, check_int, dot_in_fp32, load_kv_scales, load_kv_tile
 
 
 def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
@@ -43,7 +43,9 @@ def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
     return block_m, block_n, 8 if row_bytes >= 256 else 4
 
 
-def prefill_constants(dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool) -> dict:
+def prefill_constants(
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool, kv_fp8: bool = False
+) -> dict:  # fmt: skip
     """The constexprs (and warps) the wrapper picks for `paged_prefill_kernel`: BLOCK_G and BLOCK_D padded as in
     decode, the tile from `tile_sizes`, BLOCK_Q = query tokens per tile (BLOCK_M // BLOCK_G, at least 1). Also what
     `pagedlab.kernels.aot_grid` compiles for GPU targets."""
@@ -52,20 +54,21 @@ def prefill_constants(dtype: torch.dtype, group: int, head_dim: int, block_size:
     block_m, block_n, num_warps = tile_sizes(dtype, block_d)
     return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window, BLOCK_G=block_g,
                 BLOCK_Q=max(1, block_m // block_g), BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_in_fp32(dtype),
-                num_warps=num_warps)  # fmt: skip
+                KV_FP8=kv_fp8, num_warps=num_warps)  # fmt: skip
 
 
 @triton.jit
 def paged_prefill_kernel(
     out_ptr, query_ptr,  # [num_tokens, q_heads, head_dim], unit dim stride
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim], unit dim stride
+    kv_scales_ptr,  # [2] float32: K and V scale of a float8 cache (read only when KV_FP8)
     block_tables_ptr, query_start_loc_ptr, num_context_ptr,  # [num_seqs, max_blocks], [num_seqs + 1], [num_seqs]
     scale_log2e, sliding_window,
     stride_out_token, stride_out_head, stride_query_token, stride_query_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (cdiv(longest chunk, BLOCK_Q), num_seqs, kv_heads)."""
     tl.static_assert(BLOCK_G >= GROUP, "the query head group must fit in BLOCK_G")
@@ -95,14 +98,17 @@ def paged_prefill_kernel(
     end_pos = tl.where(first_token < num_new, num_cached + tl.minimum(first_token + BLOCK_Q, num_new), 0)
     first_pos = tl.maximum(num_cached + first_token - sliding_window + 1, 0) if HAS_WINDOW else 0
     block_table_ptr = block_tables_ptr + seq * stride_table_seq
+    k_scale, v_scale = load_kv_scales(kv_scales_ptr, KV_FP8)
     m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     o = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     for tile_start in range(first_pos - first_pos % BLOCK_N, end_pos, BLOCK_N):
         key_pos, valid, key, value = load_kv_tile(
             key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
-            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32,
+            stride_cache_block, stride_cache_slot, stride_cache_head, k_scale, v_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32, KV_FP8,
         )  # fmt: skip
+        key, value = key.to(query.dtype), value.to(query.dtype)  # a no-op but for a float8 cache
         visible = valid[None, :] & (key_pos[None, :] <= query_pos[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_WINDOW:
             visible = visible & (query_pos[:, None] - key_pos[None, :] < sliding_window)
@@ -133,11 +139,14 @@ def paged_prefill(
     *,
     max_num_new: int | None = None,  # the longest chunk; computed (a device sync) when None
     out: torch.Tensor | None = None,  # [num_tokens, q_heads, head_dim]; rows outside every chunk untouched
+    kv_scales: torch.Tensor | None = None,  # [2] float32 K and V scales, for a float8 cache only
 ) -> torch.Tensor:
     """Causal attention of each chunk over its context and itself; returns `out`."""
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, q_heads, head_dim], got {tuple(query.shape)}")
-    check_cache(key_cache, value_cache, query)
+    check_cache(key_cache, value_cache, query, kv_scales)
+    kv_fp8 = key_cache.dtype in FP8_DTYPES
+    kv_scales = kv_scales if kv_fp8 else query  # any pointer: unread
     num_seqs = num_context.shape[0] if num_context.dim() == 1 else -1
     check_int(num_context, "num_context", (None,))
     check_int(query_start_loc, "query_start_loc", (num_seqs + 1,))
@@ -161,11 +170,12 @@ def paged_prefill(
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     constants = prefill_constants(query.dtype, num_q_heads // num_kv_heads, head_dim, block_size,
-                                  sliding_window is not None)  # fmt: skip
+                                  sliding_window is not None, kv_fp8)  # fmt: skip
     scale = head_dim**-0.5 if scale is None else scale
     grid = (triton.cdiv(max_num_new, constants["BLOCK_Q"]), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc.contiguous(), num_context.contiguous(),
+        out, query, key_cache, value_cache, kv_scales, block_tables, query_start_loc.contiguous(),
+        num_context.contiguous(),
         scale * math.log2(math.e), sliding_window or 0,  # the window is ignored unless HAS_WINDOW
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), **constants,

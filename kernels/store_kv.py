@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_decode import FP8_DTYPES
+
 
 @triton.jit
 def store_kv_kernel(
@@ -47,9 +49,12 @@ def store_kv_constants(num_kv_heads: int, head_dim: int) -> dict:
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping
-) -> None:
-    """key/value [num_tokens, kv_heads, head_dim] -> their slots of key_cache/value_cache (in place)."""
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping,
+    kv_scales: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """key/value [num_tokens, kv_heads, head_dim] -> their slots of key_cache/value_cache (in place). A float8
+    cache gets K / kv_scales[0] and V / kv_scales[1], saturated, quantised by torch (Triton 3.9's interpreter
+    rounds float32 -> float8 wrongly at binade edges: 120 -> 64) and stored by the kernel as bytes."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key and value must both be [num_tokens, kv_heads, head_dim], got {key.shape}, {value.shape}")
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -64,6 +69,13 @@ def store_kv(
         key, value = key.contiguous(), value.contiguous()
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype.is_floating_point:
         raise ValueError(f"slot_mapping must be an int tensor of shape [{num_tokens}], got {slot_mapping.shape}")
+    if key_cache.dtype in FP8_DTYPES and value_cache.dtype == key_cache.dtype:
+        if kv_scales is None or kv_scales.shape != (2,) or kv_scales.dtype != torch.float32:
+            raise ValueError("a float8 cache needs kv_scales: a [2] float32 tensor (K and V scale)")
+        limit = torch.finfo(key_cache.dtype).max
+        key = (key.float() / kv_scales[0]).clamp_(-limit, limit).to(key_cache.dtype).view(torch.uint8)
+        value = (value.float() / kv_scales[1]).clamp_(-limit, limit).to(value_cache.dtype).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
         raise ValueError(f"key/value are {key.dtype}/{value.dtype} but the caches hold {key_cache.dtype}")
     devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}

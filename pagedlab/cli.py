@@ -10,6 +10,8 @@ import logging
 import sys
 import time
 
+from pagedlab.config import KV_CACHE_DTYPE_NAMES
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedlab", description="PagedAttention and continuous batching.")
@@ -47,6 +49,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"), default=None,
                        help="default auto (measures a cost model at start-up)")
     group.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default=None,
+                       help="how K and V are stored: auto (the model's dtype) or FP8 (one byte a value)")
+    group.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                       help="with an FP8 cache, set each layer's K/V scales from the first batch (else 1.0)")
     group.add_argument("--engine-seed", type=int, default=None, help="seed of requests that bring none")
     group.add_argument("--tensor-parallel-size", type=int, default=None,
                        help="split the model and KV cache over this many worker processes (default 1)")
@@ -56,7 +62,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 
 _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-                  "preemption_mode", "attention_backend", "tensor_parallel_size", "distributed_timeout")  # fmt: skip
+                  "preemption_mode", "attention_backend", "tensor_parallel_size", "distributed_timeout",
+                  "kv_cache_dtype", "calculate_kv_scales")  # fmt: skip
 
 
 def _engine_kwargs(args) -> dict:
@@ -149,7 +156,7 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--max-num-seqs", type=int, default=256)
     bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
     bench.add_argument("--block-size", type=int, default=16)
-    bench.add_argument("--scale", type=float, default=1.0, help="nano-vllm: shrink lengths and request count")
+    bench.add_argument("--scale", type=float, default=1.0, help="nano-vllm, calibrate: shrink lengths and request count")
     bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
     bench.add_argument("--endpoint", default=None,
                        help="serving: measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) over HTTP; "

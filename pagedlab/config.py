@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names (worker/kv_quant.py)
 from pagedlab.spec_decode.config import SpeculativeConfig
 
 
@@ -34,6 +35,10 @@ class EngineConfig:
         and recomputes its lost tail later (off by default, as in vLLM, which has no such mode).
     force_preemption_rate: for tests, preempt the newest running request in this share of steps (vLLM's
         artificial-preemption trick); 0 in normal use.
+    kv_cache_dtype: how K and V are stored (vLLM's names): "auto" (the model's dtype), "fp8" / "fp8_e4m3" or
+        "fp8_e5m2" (one byte per value, with a K and a V scale per layer: `pagedlab.worker.kv_quant`).
+    calculate_kv_scales: with an fp8 cache, set each layer's scales from the first batch it stores (vLLM's
+        option); otherwise they are 1.0.
     seed: seeds the sampler of requests that bring no seed of their own, and the forced preemptions.
     record_trace: keep a `StepRecord` of each step (what the chapters draw).
     max_trace_steps: keep only the most recent this many steps in the trace (None: all), so that a long-running
@@ -62,6 +67,8 @@ class EngineConfig:
     num_cpu_blocks: int | None = None
     enable_partial_preemption: bool = False
     force_preemption_rate: float = 0.0
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     seed: int = 0
     record_trace: bool = True
     max_trace_steps: int | None = 1000
@@ -81,6 +88,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))}, got {self.kv_cache_dtype!r}"
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8', 'fp8_e4m3' or 'fp8_e5m2')")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'auto', 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.swap_space < 0:

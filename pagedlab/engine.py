@@ -236,6 +236,8 @@ class LLMEngine:
             num_swapped=len(self.scheduler.swapped),
             num_cpu_blocks=swap.num_cpu_blocks if swap else 0,
             num_used_cpu_blocks=swap.pool.num_used_blocks if swap and swap.num_cpu_blocks else 0,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_bytes_per_token=self.worker.bytes_per_block // self.config.block_size,
             spec_num_drafts=counters.spec_num_drafts,
             spec_num_draft_tokens=counters.spec_num_draft_tokens,
             spec_num_accepted_tokens=counters.spec_num_accepted_tokens,

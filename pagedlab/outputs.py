@@ -56,6 +56,12 @@ class EngineStats:
     num_swapped: int = 0  # requests in the swapped queue now
     num_cpu_blocks: int = 0
     num_used_cpu_blocks: int = 0
+    kv_cache_dtype: str = "auto"  # the engine's kv_cache_dtype: "auto" (the model's dtype), "fp8", "fp8_e5m2", ...
+    kv_bytes_per_token: int = 0  # K and V of one token in every layer (over all tensor-parallel ranks)
+
+    @property
+    def kv_tokens_per_gib(self) -> int:
+        return (1 << 30) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
     spec_num_drafts: int = 0  # speculative decoding: verifications (one sequence's drafts checked in one step)
     spec_num_draft_tokens: int = 0  # draft tokens proposed and verified
     spec_num_accepted_tokens: int = 0  # of which accepted

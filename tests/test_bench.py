@@ -202,3 +202,21 @@ def test_cli_bench_writes_json_and_table(tmp_path, capsys):
     assert main(argv) == 0
     assert "scheduler_ms_per_step" in capsys.readouterr().out
     assert json.loads((out / "overhead.json").read_text())["tables"]["overhead"]["rows"][0]["num_seqs"] == 8
+
+
+def test_calibrate_fits_and_measures_its_error(tmp_path):
+    """The calibration's plumbing on a tiny model (whose step times mean nothing): tables, and calibration.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedlab.sim import load_calibration
+    from tests.conftest import _TINY
+
+    model = LlamaForCausalLM(LlamaConfig(**{**_TINY, "max_position_embeddings": 2048})).eval()
+    report = run_benchmark("calibrate", model=model, progress=False, out_dir=tmp_path, **{**TINY, "scale": 0.1})
+    _check_tables(report, ["calibrate", "calibrate_error", "calibrate_serving"])
+    errors = {row["workload"]: row for row in report.tables["calibrate_error"].rows}
+    assert {name for name, row in errors.items() if row["fitted"]} == {"decode", "prefill", "long-context"}
+    assert {"chat", "pressure-swap", "pressure-recompute"} <= set(errors)
+    calibration = load_calibration(tmp_path / "calibration.json")
+    assert calibration.error["steps"]["chat"]["num_steps"] == errors["chat"]["steps"]
+    assert calibration.preemption.copy_bytes_per_s > 0 and calibration.kv_bytes_per_token > 0

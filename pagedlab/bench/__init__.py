@@ -23,7 +23,8 @@ from pagedlab.bench.report import Table
 
 __all__ = ["BenchOptions", "BenchmarkReport", "run_benchmark", "WORKLOADS", "COMPARATORS"]
 
-WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity", "decode")
+WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity", "decode",
+             "calibrate")
 COMPARATORS = ("hf-static", "hf-cb", "pagedlab-contiguous")
 
 
@@ -33,7 +34,7 @@ class BenchOptions:
 
     num_requests: int | None = None  # default per workload: chat 128, nano-vllm 256 x scale, prefix 64, sharing 8
     compare: tuple[str, ...] = ()
-    repeats: int = 1  # pagedlab systems
+    repeats: int = 1  # pagedlab systems (calibrate: at least 3)
     hf_repeats: int = 1  # the slow Hugging Face comparators
     batch_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)  # hf-static: the best of those that fit is reported
     block_size: int = 16
@@ -43,7 +44,7 @@ class BenchOptions:
     prompt_len: tuple[int, int] = (20, 400)  # chat, pressure, serving
     output_mean: float = 128
     output_len: tuple[int, int] = (16, 512)
-    scale: float = 1.0  # nano-vllm
+    scale: float = 1.0  # nano-vllm, calibrate
     prefix_len: int = 400  # prefix
     prefix_max_tokens: int = 32
     sharing_prompt_len: int = 256  # sharing

@@ -7,6 +7,7 @@ results and plots to it. Table columns are fixed per workload (`COLUMNS`), whate
 from __future__ import annotations
 
 from pagedlab.bench import COMPARATORS, metrics, overhead, report, systems, workloads
+from pagedlab.bench import calibrate as calibrate_suite
 from pagedlab.bench import serving as serving_suite
 from pagedlab.bench.report import Table
 
@@ -32,6 +33,9 @@ COLUMNS = {
     "decode": ("dtype", "batch", "context", "kv_read_mb", "step_ms", "step_range_ms", "no_attention_ms",
                "attention_ms", "attention_gb_s", "read_gb_s", "fraction_of_read", "torch_path_ms",
                "torch_path_fraction"),
+    "calibrate": calibrate_suite.COLUMNS,
+    "calibrate_error": calibrate_suite.ERROR_COLUMNS,
+    "calibrate_serving": calibrate_suite.SERVING_COLUMNS,
 }  # fmt: skip
 
 
@@ -447,4 +451,5 @@ def decode(bench) -> None:
 RUNNERS = {
     "chat": chat, "nano-vllm": nano_vllm, "prefix": prefix, "sharing": sharing, "pressure": pressure,
     "serving": serving, "overhead": scheduler_overhead, "capacity": capacity, "decode": decode,
+    "calibrate": calibrate_suite.run,
 }  # fmt: skip

@@ -5,6 +5,7 @@
     draw_timeline(engine.trace)                  # who waited, ran, was swapped or preempted, step by step
     draw_step_tokens(engine.trace, budget=2048)  # each step's prefill and decode tokens against the budget
     draw_kv_usage(engine.trace)                  # blocks in use, cached and swapped, over the steps
+    playground()                                 # what if: the simulator's panel, paged against contiguous
 
 Every function is pure: the same trace and index always draw the same figure. Colours come from
 `seq_color` (Okabe-Ito, stable per sequence across every picture of a trace).
@@ -17,6 +18,7 @@ from pagedlab.viz.events import describe_step
 from pagedlab.viz.latency import draw_latency, request_times
 from pagedlab.viz.palette import seq_color
 from pagedlab.viz.player import animate, render
+from pagedlab.viz.playground import playground
 from pagedlab.viz.pool import draw_block_pool
 from pagedlab.viz.queues import draw_queues
 from pagedlab.viz.strip import is_eventful, static_strip, strip_indices
@@ -35,6 +37,7 @@ __all__ = [
     "draw_step_tokens",
     "draw_timeline",
     "is_eventful",
+    "playground",
     "render",
     "request_times",
     "seq_color",

@@ -21,6 +21,10 @@ runs of decodes of similar length (the model runner sends decodes longest first)
 the keys on a chat workload and keeps each bucket's gathered K and V small enough to stay in cache for SDPA.
 The Triton kernels in `pagedlab.kernels` compute the same thing; this file is their reference.
 
+A quantised cache (`kv_cache_dtype="fp8"`, worker/kv_quant.py) is quantised as it is written and dequantised
+as each gathered tile is read; attention always sees the stored values, the new tokens' own K and V included,
+so that chunking, preemption and prefix caching leave the tokens unchanged with it too.
+
 # Explained in chapters/03_paged_attention.ipynb
 """
 
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from pagedlab.worker import cpu_attention
+from pagedlab.worker.kv_quant import KVScales, dequantize, is_quantized, quantize
 
 ATTENTION_NAME = "pagedlab"
 
@@ -104,21 +109,38 @@ class PagedAttentionContext:
     metadata: AttentionMetadata
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     backend: str = "torch"  # "torch" (this file) or "triton" (pagedlab.kernels.backend)
+    kv_scales: KVScales | None = None  # a float8 cache's per-layer K and V scales; None for a full-precision one
 
 
 def write_to_cache(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Store K and V of the new tokens ([num_tokens, kv_heads, head_dim]) into their flat slots."""
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
+    k_scale=None, v_scale=None,
+) -> None:  # fmt: skip
+    """Store K and V of the new tokens ([num_tokens, kv_heads, head_dim]) into their flat slots; into a float8
+    cache quantised by k_scale / v_scale (as bytes: torch has no float8 index_copy_ on CPU)."""
     num_kv_heads, head_dim = key.shape[1:]
+    if is_quantized(key_cache.dtype):
+        key = quantize(key, k_scale, key_cache.dtype).view(torch.uint8)
+        value = quantize(value, v_scale, value_cache.dtype).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """The blocks' slots, in logical order: [..., num_blocks * block_size, kv_heads, head_dim]."""
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, scale=None, dtype=None) -> torch.Tensor:
+    """The blocks' slots, in logical order: [..., num_blocks * block_size, kv_heads, head_dim]; a float8
+    cache's tile dequantised to `dtype` by `scale` (the only full-precision copy is this tile)."""
     blocks = cache.index_select(0, block_ids.reshape(-1))  # [n * num_blocks, block_size, kv_heads, head_dim]
+    if is_quantized(cache.dtype):
+        blocks = dequantize(blocks, scale, dtype)
     return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def _stored(x: torch.Tensor, cache: torch.Tensor, scale) -> torch.Tensor:
+    """What the cache gives back for x: x itself, or x through a float8 cache's quantiser."""
+    if not is_quantized(cache.dtype):
+        return x
+    return dequantize(quantize(x, scale, cache.dtype), scale, x.dtype)
 
 
 # A bucket pads its rows to its longest, wasting at most BUCKET_SLACK of its live keys (or MIN_WASTE_TOKENS),
@@ -165,7 +187,9 @@ def decode_buckets(
     return buckets
 
 
-def bucketed_decode_attention(query, key_cache, value_cache, buckets: list[DecodeBucket], scale, out=None):
+def bucketed_decode_attention(
+    query, key_cache, value_cache, buckets: list[DecodeBucket], scale, out=None, k_scale=None, v_scale=None
+):  # fmt: skip
     """`decode_attention` bucket by bucket: the same result, without padding every row to the longest.
 
     query [num_decodes, q_heads, head_dim] -> out [num_decodes, q_heads, head_dim]. This is the torch path's
@@ -178,14 +202,16 @@ def bucketed_decode_attention(query, key_cache, value_cache, buckets: list[Decod
     q = query.reshape(num_decodes, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     for bucket in buckets:
         rows = slice(bucket.start, bucket.end)
-        k = _gather(key_cache, bucket.block_tables).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
-        v = _gather(value_cache, bucket.block_tables).transpose(1, 2)
+        k = _gather(key_cache, bucket.block_tables, k_scale, query.dtype).transpose(1, 2)  # [n, kv_heads, keys, hd]
+        v = _gather(value_cache, bucket.block_tables, v_scale, query.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(q[rows], k, v, attn_mask=bucket.mask, scale=scale)
         out[rows] = o.reshape(-1, num_q_heads, head_dim)
     return out
 
 
-def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata, scale, sliding_window):
+def decode_attention(
+    query, key_cache, value_cache, metadata: AttentionMetadata, scale, sliding_window, k_scale=None, v_scale=None
+):  # fmt: skip
     """query [num_decodes, q_heads, head_dim] -> [num_decodes, q_heads, head_dim].
 
     Each KV head serves `group = q_heads // kv_heads` query heads; they are laid out as `group` query rows of
@@ -195,26 +221,30 @@ def decode_attention(query, key_cache, value_cache, metadata: AttentionMetadata,
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     q = query.reshape(num_decodes, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    k = _gather(key_cache, metadata.decode_block_tables).transpose(1, 2)  # [B, kv_heads, keys, head_dim]
-    v = _gather(value_cache, metadata.decode_block_tables).transpose(1, 2)
+    tables = metadata.decode_block_tables
+    k = _gather(key_cache, tables, k_scale, query.dtype).transpose(1, 2)  # [B, kv_heads, keys, head_dim]
+    v = _gather(value_cache, tables, v_scale, query.dtype).transpose(1, 2)
     mask = metadata.decode_mask(block_size, sliding_window)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, num_q_heads, head_dim)
 
 
-def prefill_attention(query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale, sliding_window):
+def prefill_attention(
+    query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale, sliding_window, k_scale=None, v_scale=None
+):  # fmt: skip
     """One request's new tokens: query [n, q_heads, head_dim], its own key/value [n, kv_heads, head_dim].
 
     The tensors go to SDPA with a batch dimension of 1: on CPU, torch 2.13 runs 4-D inputs 1.3-2.5x faster
     than the same 3-D ones (9:3 heads, 16-400 tokens; `scripts/attention_variants.py --prefill`)."""
     q = query.transpose(0, 1)[None]  # [1, q_heads, n, head_dim]
     if chunk.num_context == 0 and sliding_window is None:
-        k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+        k = _stored(key, key_cache, k_scale).transpose(0, 1)[None]
+        v = _stored(value, value_cache, v_scale).transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     num_keys = chunk.num_context + chunk.num_new
-    k = _gather(key_cache, chunk.block_ids)[:num_keys].transpose(0, 1)[None]  # [1, kv_heads, keys, head_dim]
-    v = _gather(value_cache, chunk.block_ids)[:num_keys].transpose(0, 1)[None]
+    k = _gather(key_cache, chunk.block_ids, k_scale, query.dtype)[:num_keys].transpose(0, 1)[None]  # [1, kv, keys, hd]
+    v = _gather(value_cache, chunk.block_ids, v_scale, query.dtype)[:num_keys].transpose(0, 1)[None]
     q_pos = torch.arange(chunk.num_context, num_keys, device=query.device)[:, None]
     k_pos = torch.arange(num_keys, device=query.device)[None, :]
     mask = k_pos <= q_pos
@@ -244,14 +274,20 @@ def paged_attention_forward(
         )
     metadata = pagedlab_context.metadata
     key_cache, value_cache = pagedlab_context.kv_cache[module.layer_idx]
+    kv_scales, k_scale, v_scale = pagedlab_context.kv_scales, None, None
     q = query[0].transpose(0, 1)  # [num_tokens, q_heads, head_dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    if kv_scales is not None:
+        kv_scales.observe(module.layer_idx, k, v)
+        k_scale, v_scale = kv_scales.scales[module.layer_idx]
     if pagedlab_context.backend == "triton":
         from pagedlab.kernels.backend import triton_attention  # imported only when asked for: triton is optional
 
-        return triton_attention(q, k, v, key_cache, value_cache, metadata, scaling, sliding_window).unsqueeze(0), None
-    write_to_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        layer_scales = kv_scales.scales[module.layer_idx] if kv_scales is not None else None
+        out = triton_attention(q, k, v, key_cache, value_cache, metadata, scaling, sliding_window, layer_scales)
+        return out.unsqueeze(0), None
+    write_to_cache(k, v, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q (a transposed view)
     num_decodes = metadata.num_decodes
@@ -264,11 +300,11 @@ def paged_attention_forward(
                                            metadata.decode_context_lens, scale, sliding_window, decode_out, kernel)
         else:
             buckets = metadata.decode_buckets(key_cache.shape[1], sliding_window)
-            bucketed_decode_attention(decode_q, key_cache, value_cache, buckets, scaling, out=decode_out)
+            bucketed_decode_attention(decode_q, key_cache, value_cache, buckets, scaling, decode_out, k_scale, v_scale)
     for chunk in metadata.prefills:
         rows = slice(chunk.start, chunk.end)
         out[rows] = prefill_attention(
-            q[rows], k[rows], v[rows], key_cache, value_cache, chunk, scaling, sliding_window
+            q[rows], k[rows], v[rows], key_cache, value_cache, chunk, scaling, sliding_window, k_scale, v_scale
         )
     return out.unsqueeze(0), None
 

@@ -23,6 +23,7 @@ from pagedlab.core.sched_output import ScheduledRequest
 from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext, PrefillChunk
 from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
+from pagedlab.worker.kv_quant import KVScales, is_quantized
 from pagedlab.worker.rejection_sampler import verify
 from pagedlab.worker.sampler import Sampler, SamplerOutput
 
@@ -95,6 +96,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()  # else each step page-faults its big tensors in afresh (see the function)
         self.kv_cache = spec.allocate(num_blocks, block_size, self.device)
+        self.kv_scales = KVScales.ones(spec.num_layers, spec.dtype, self.device) if is_quantized(spec.dtype) else None
         self.sampler = Sampler(seed, self.device)
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -151,7 +153,7 @@ class ModelRunner:
             if logits is not None:
                 logits = logits[sample_rows]  # a recorded decode step
             else:
-                context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend)
+                context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend, self.kv_scales)
                 keep = torch.tensor(sample_rows + verify_rows, dtype=torch.long, device=self.device)
                 logits = self._forward(input_ids, positions, context, keep)
                 if verify_rows:

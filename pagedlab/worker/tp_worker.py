@@ -31,6 +31,7 @@ from pagedlab.config import EngineConfig
 from pagedlab.core.sched_output import SchedulerOutput
 from pagedlab.models import load_weights
 from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.kv_quant import resolve_kv_cache_dtype
 from pagedlab.worker.tensor_parallel import CollectiveStats, shard_model
 from pagedlab.worker.worker import ModelRunnerOutput, Worker
 
@@ -72,7 +73,8 @@ class RankWorker:
         self.stats = CollectiveStats()
         model = load_weights(model_path, dtype, device)
         self.model = shard_model(model, mesh, self.stats)
-        full = KVCacheSpec.from_model_config(model.config, next(self.model.parameters()).dtype)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, next(self.model.parameters()).dtype)
+        full = KVCacheSpec.from_model_config(model.config, kv_dtype)  # an fp8 cache: its real bytes per block
         spec = dataclasses.replace(full, num_kv_heads=full.num_kv_heads // self.size)
         self.kv_heads = (self.rank * spec.num_kv_heads, (self.rank + 1) * spec.num_kv_heads)
         # The same number of blocks on every rank: the smallest any rank's budget allows.

@@ -21,7 +21,8 @@ import torch
 from pagedlab.config import EngineConfig
 from pagedlab.core.preemption import PreemptionMode
 from pagedlab.core.sched_output import SchedulerOutput
-from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.kv_cache import GiB, KVCacheSpec, num_blocks_for_budget
+from pagedlab.worker.kv_quant import is_quantized, resolve_kv_cache_dtype
 from pagedlab.worker.model_runner import ModelRunner, RunnerOutput
 from pagedlab.worker.swap import CPUKVCache, measure_cost_model
 
@@ -45,15 +46,17 @@ class Worker:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.spec = kv_cache_spec or KVCacheSpec.from_model_config(model.config, self.dtype)
+        spec = kv_cache_spec or KVCacheSpec.from_model_config(model.config, self.dtype)
+        self.spec = dataclasses.replace(spec, dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, spec.dtype))
         self.num_blocks, max_model_len = self._size_kv_cache(model.config, config)
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
         self.bytes_per_block = self.spec.bytes_per_block(config.block_size)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.spec.dtype)
         self.model_runner = ModelRunner(
             model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend
         )
-        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+        graphs = not config.enforce_eager and self.model_runner.kv_scales is None  # fp8: eager (graphs unchecked)
+        if self.device.type == "cuda" and self.attention_backend == "triton" and graphs:
             self.model_runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         self.num_cpu_blocks, self.cpu_kv_cache, self.cost_model = 0, None, None
         mode = PreemptionMode(config.preemption_mode)
@@ -65,6 +68,8 @@ class Worker:
             if mode == PreemptionMode.AUTO:
                 self.cost_model = measure_cost_model(self.model_runner, self.cpu_kv_cache, self.spec, config.block_size)
                 logger.info("%s", self.cost_model.explain())
+        if self.model_runner.kv_scales is not None:  # after the start-up runs, so that real requests set them
+            self.model_runner.kv_scales.calculate = config.calculate_kv_scales
 
     def _size_kv_cache(self, model_config, config: EngineConfig) -> tuple[int, int]:
         """The number of KV blocks and the resolved max_model_len (the model's limit, capped by the cache)."""
@@ -87,9 +92,11 @@ class Worker:
             )
         max_model_len = min(wanted_len, capacity)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s); max_model_len %d", num_blocks,
-            config.block_size, capacity, num_blocks * self.spec.bytes_per_block(config.block_size) / 2**20,
-            self.device, str(self.dtype).removeprefix("torch."), max_model_len,
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s, KV in %s: %d bytes per token, %d tokens "
+            "per GiB); max_model_len %d", num_blocks, config.block_size, capacity,
+            num_blocks * self.spec.bytes_per_block(config.block_size) / 2**20, self.device,
+            str(self.dtype).removeprefix("torch."), str(self.spec.dtype).removeprefix("torch."),
+            self.spec.bytes_per_token, GiB // self.spec.bytes_per_token, max_model_len,
         )  # fmt: skip
         return num_blocks, max_model_len
 
@@ -156,12 +163,12 @@ def _message(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """Resolve "auto", and check that "triton" can run here."""
+def resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> str:
+    """Resolve "auto", and check that "triton" can run here (and with this KV cache dtype)."""
     from pagedlab.kernels import HAS_TRITON
 
-    if name == "auto":
-        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    if name == "auto":  # an fp8 cache: torch, until the kernels' float8 variants are checked on a GPU
+        return "triton" if device.type == "cuda" and HAS_TRITON and not is_quantized(kv_cache_dtype) else "torch"
     if name == "triton":
         if not HAS_TRITON:
             raise ValueError("attention_backend='triton' needs the triton package (Linux only); use 'torch'")

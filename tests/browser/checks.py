@@ -4,7 +4,9 @@
 - every widget output rendered (a widget that fails to render shows an error or nothing);
 - every figure (image/png output) is in the page and loaded;
 - every animation player (`.pagedlab-player`, the DOM contract of `pagedlab.viz.animate`) has its play
-  button, slider, picture and event text, and pressing play advances the slider and changes the picture.
+  button, slider, picture and event text, and pressing play advances the slider and changes the picture;
+- every playground (`.pagedlab-playground`, the DOM contract of `pagedlab.viz.playground`): moving its KV
+  budget slider and pressing run changes the plots, and no error shows in its status line.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ def check_notebook(page, lab: JupyterLab, notebook: str, screenshot: Path | None
         _check_widgets_rendered(page, state, problems)
         _check_figures(page, state, problems)
         _check_players(page, problems)
+        _check_playgrounds(page, problems)
     except (TimeoutError, PlaywrightError) as error:  # the page never got there, or an element never came
         problems.add(f"{type(error).__name__}: {str(error).strip()[:1000]}")
     if screenshot is not None:
         screenshot.parent.mkdir(parents=True, exist_ok=True)
-        for selector in (".pagedlab-player", '.jp-OutputArea-output[data-mime-type="image/png"]'):
+        figure = '.jp-OutputArea-output[data-mime-type="image/png"]'
+        for selector in (".pagedlab-player", ".pagedlab-playground", figure):
             shown = page.locator(selector).filter(visible=True)
             if shown.count():  # the first player, else the first figure
                 try:
@@ -157,3 +161,47 @@ def _check_play(page, player, name: str, problems: Problems) -> None:
         pause = player.locator(PAUSE_BUTTON)
         if pause.count():
             pause.first.click()
+
+
+PLAYGROUND_SLIDER = ".pagedlab-control-kv_slots [role=slider]"
+PLAYGROUND_PLOTS = "img.pagedlab-playground-plots"
+
+
+def _check_playgrounds(page, problems: Problems) -> None:
+    """Move the KV budget slider one notch down (the keyboard, as a reader would), press run, and wait for the
+    plots to change (a run simulates and redraws in the kernel: seconds on a busy machine)."""
+    panels = page.locator(".pagedlab-playground")
+    for i in range(panels.count()):
+        name = f"playground {i + 1} of {panels.count()}"
+        panel = panels.nth(i)
+        panel.scroll_into_view_if_needed()
+        parts = [("KV budget slider", PLAYGROUND_SLIDER), ("plots", PLAYGROUND_PLOTS),
+                 ("run button", "button.pagedlab-run")]
+        missing = [part for part, selector in parts if not panel.locator(selector).count()]
+        if missing:
+            problems.add(f"{name} rendered without its {', '.join(missing)}")
+            continue
+        plots = panel.locator(PLAYGROUND_PLOTS).first
+        if not wait_for(page, lambda: plots.evaluate("img => img.complete && img.naturalWidth > 0"), timeout=10):
+            problems.add(f"{name}: the plots never loaded")
+            continue
+        before = plots.screenshot()
+        handle = panel.locator(PLAYGROUND_SLIDER).first
+        value = handle.get_attribute("aria-valuenow")
+        handle.focus()
+        page.keyboard.press("ArrowLeft")
+        if not wait_for(page, lambda: handle.get_attribute("aria-valuenow") != value, timeout=5):
+            problems.add(f"{name}: the KV budget slider did not move (stuck at {value})")
+            continue
+        status = panel.locator(".pagedlab-playground-status").first
+        said = status.inner_text()
+        panel.locator("button.pagedlab-run").first.click()
+        # A run first says "running…", then "run N: ..." (or an error) once it has drawn: seconds on a busy machine.
+        if not wait_for(page, lambda: status.inner_text() != said or plots.screenshot() != before, timeout=15):
+            problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
+                         "(nothing happened within 15 s)")  # fmt: skip
+            continue
+        wait_for(page, lambda: "running" not in status.inner_text(), timeout=120, interval=1.0)
+        if not wait_for(page, lambda: plots.screenshot() != before, timeout=5, interval=0.5):
+            problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
+                         f"(status: {status.inner_text()[:300]!r})")  # fmt: skip

@@ -42,9 +42,11 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def lab_root(tmp_path_factory) -> Path:
-    """What the server serves: a copy of chapters/ (JupyterLab never writes to the real notebooks) and fake/."""
+    """What the server serves: a copy of chapters/ (JupyterLab never writes to the real notebooks), the
+    benchmark files the chapters read (../docs/bench), and fake/."""
     root = tmp_path_factory.mktemp("lab")
     shutil.copytree(ROOT / "chapters", root / "chapters", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    shutil.copytree(ROOT / "docs", root / "docs")
     (root / "fake").mkdir()
     return root
 

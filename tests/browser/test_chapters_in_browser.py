@@ -14,6 +14,8 @@ import pytest
 
 from .checks import check_notebook
 from .fake_player import BREAKAGES, player_notebook
+from .fake_playground import BREAKAGES as PLAYGROUND_BREAKAGES
+from .fake_playground import playground_notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
@@ -55,3 +57,17 @@ def test_a_broken_player_fails_naming_its_notebook(breakage, lab, lab_root, page
     assert problems, f"{name} passed the browser check although its player is broken ({breakage})"
     assert str(problems).startswith(f"{name} in JupyterLab:")
     assert EXPECTED_PROBLEM[breakage] in str(problems), str(problems)
+
+
+# The playground's check, tested the same way: a working panel passes; one whose run or controls do nothing fails.
+
+
+@pytest.mark.parametrize("breakage", list(PLAYGROUND_BREAKAGES))
+def test_the_playground_check_passes_a_working_panel_and_fails_a_broken_one(breakage, lab, lab_root, page):
+    name = f"playground_{(breakage or 'working').replace('-', '_')}.ipynb"
+    nbformat.write(playground_notebook(breakage), lab_root / "fake" / name)
+    problems = check_notebook(page, lab, f"fake/{name}", None, RUN_TIMEOUT)
+    if breakage is None:
+        assert not problems, str(problems)
+    else:
+        assert "pressing run did not change the plots" in str(problems), str(problems)
