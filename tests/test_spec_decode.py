@@ -342,3 +342,13 @@ def test_a_draft_model_does_not_combine_with_tensor_parallelism():
     spec = {"method": "draft_model", "model": "any", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="does not combine with tensor_parallel_size > 1; use method 'ngram'"):
         EngineConfig(speculative_config=spec, tensor_parallel_size=2)
+
+
+def test_fp8_kv_cache_speculation_changes_no_token(case):
+    """With an FP8 cache the tokens are fp8's own; speculation leaves them as they are."""
+    model, prompts, _ = case
+    outputs = []
+    for spec in (None, NGRAM):
+        config = EngineConfig(block_size=4, num_kv_blocks=512, kv_cache_dtype="fp8", speculative_config=spec)
+        outputs.append(run_engine(LLMEngine(model, None, config), prompts, 24))
+    assert outputs[0] == outputs[1]
