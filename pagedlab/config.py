@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names (worker/kv_quant.py)
+from pagedlab.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class EngineConfig:
         processes of `torchrun`); see `pagedlab.worker.executor`. The model must be a folder or Hub id.
     distributed_timeout: seconds a tensor-parallel rank may take to start, or to answer a step (and a collective
         may wait), before the engine declares it hung, stops every rank and raises.
+    speculative_config: speculative decoding, vLLM's dict (`pagedlab.spec_decode.SpeculativeConfig`): draft tokens
+        by n-gram lookup or a draft model, verified by the target in its next pass. None (default): off.
     """
 
     block_size: int = 16
@@ -71,8 +74,10 @@ class EngineConfig:
     max_trace_steps: int | None = 1000
     tensor_parallel_size: int = 1
     distributed_timeout: float = 300.0
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
@@ -101,6 +106,10 @@ class EngineConfig:
             raise ValueError(f"max_trace_steps must be >= 1 or None, got {self.max_trace_steps}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method 'draft_model' runs its draft in the engine's own process and "
+                             "does not combine with tensor_parallel_size > 1; use method 'ngram'")  # fmt: skip
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

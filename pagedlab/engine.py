@@ -19,6 +19,7 @@ from pagedlab.config import EngineConfig
 from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.request import Request, RequestStatus
 from pagedlab.core.scheduler import Scheduler
+from pagedlab.core.speculation import draft_requests
 from pagedlab.core.swap_space import SwapSpace
 from pagedlab.core.trace import StepRecord, Trace
 from pagedlab.inputs import InputProcessor, PromptType
@@ -26,6 +27,7 @@ from pagedlab.models import eos_token_ids, load_model
 from pagedlab.output_processor import OutputProcessor, RequestState
 from pagedlab.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
+from pagedlab.spec_decode.proposer import make_proposer
 from pagedlab.worker.worker import Worker
 
 logger = logging.getLogger("pagedlab")
@@ -46,6 +48,7 @@ class LLMEngine:
         if self.worker.cpu_kv_cache is not None:
             self.swap_space = SwapSpace(self.kv_cache_manager, self.worker.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.swap_space, self.worker.cost_model)
+        self.proposer = make_proposer(config, model, self.worker.num_blocks, self.worker.attention_backend)
         vocab_size = model.get_input_embeddings().num_embeddings
         self.inputs = InputProcessor(tokenizer, vocab_size, config, self.worker.num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -150,19 +153,26 @@ class LLMEngine:
         An exception while processing one request (its sampling, its stop strings) finishes that request with
         finish_reason "error" and the message; the others go on."""
         start = time.perf_counter()
-        # 1. Schedule: who runs, how many tokens each, and which blocks they get, give up or copy.
-        scheduled = self.scheduler.schedule()
+        # 1. Schedule: who runs, how many tokens each (and the drafts each verifies), which blocks they get or give up.
+        scheduled = self.scheduler.schedule(self._propose())
         # 2. Run: the block moves, one forward pass over the whole batch, sampling.
         ran = self.worker.execute_model(scheduled)
         # 3. Beam search: every beam group whose beams all have their log-probabilities takes a beam step.
         beam_decisions = self.beam_search.step(ran.beam_logprobs, restarted=scheduled.restarted)
         # 4. Update: append the sampled tokens, fork and prune beams, finish what stopped.
-        update = self.scheduler.update_from_output(scheduled, ran.sampled, beam_decisions, ran.errors)
+        update = self.scheduler.update_from_output(scheduled, ran.sampled, beam_decisions, ran.errors, ran.num_accepted)
         # 5. Outputs: text, stop strings and logprobs; what a stop string ended or an error failed is finished.
         outputs, ended, freed = self._process_outputs(scheduled, update, ran.logprobs)
         # 6. Record the step.
         self._record(scheduled, update, outputs, ended, freed, time.perf_counter() - start)
         return outputs
+
+    def _propose(self) -> dict[str, tuple[int, ...]] | None:
+        """Speculative decoding: draft tokens for the running decodes (None when it is off)."""
+        if self.proposer is None:
+            return None
+        k = self.config.speculative_config.num_speculative_tokens
+        return self.proposer.propose(draft_requests(self.scheduler, k))
 
     def _process_outputs(self, scheduled, update, logprobs) -> tuple[list[RequestOutput], list[Request], list[int]]:
         for parent, child in scheduled.forked:
@@ -228,6 +238,11 @@ class LLMEngine:
             num_used_cpu_blocks=swap.pool.num_used_blocks if swap and swap.num_cpu_blocks else 0,
             kv_cache_dtype=self.config.kv_cache_dtype,
             kv_bytes_per_token=self.worker.bytes_per_block // self.config.block_size,
+            spec_num_drafts=counters.spec_num_drafts,
+            spec_num_draft_tokens=counters.spec_num_draft_tokens,
+            spec_num_accepted_tokens=counters.spec_num_accepted_tokens,
+            spec_num_draft_tokens_per_pos=tuple(counters.spec_num_draft_tokens_per_pos),
+            spec_num_accepted_tokens_per_pos=tuple(counters.spec_num_accepted_tokens_per_pos),
             **self._totals,
         )
 

@@ -123,14 +123,19 @@ class OutputProcessor:
         return outputs, stopped, {g: m for g, m in failed.items() if g not in update.failed}
 
     def _apply(self, sequence: SequenceState, update: SequenceUpdate, logprobs: dict[int, float] | None) -> bool:
-        """Add the step's tokens to one sequence; True if a stop string finished it."""
+        """Add the step's tokens to one sequence; True if a stop string finished it. `logprobs` is one dict, or a
+        list of them when a verified speculative chunk added several tokens."""
         sequence.token_ids += update.new_token_ids
         if logprobs is not None:
-            sequence.logprobs.append(logprobs)
+            sequence.logprobs += logprobs[: len(update.new_token_ids)] if isinstance(logprobs, list) else [logprobs]
         hit = None
         if sequence.detokenizer is not None:
             hit = sequence.detokenizer.update(update.new_token_ids, finished=update.finish_reason is not None)
         if hit is not None:
+            # several tokens in one step (speculative decoding): those after the one that completed the stop
+            # string are dropped, as if the sequence had been stopped there
+            del sequence.token_ids[sequence.detokenizer.num_output_tokens :]
+            del sequence.logprobs[sequence.detokenizer.num_output_tokens :]
             sequence.finish_reason, sequence.stop_reason = "stop", hit
             return update.finish_reason is None  # still running in the core: the engine finishes it
         if update.finish_reason is not None:

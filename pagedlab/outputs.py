@@ -62,6 +62,22 @@ class EngineStats:
     @property
     def kv_tokens_per_gib(self) -> int:
         return (1 << 30) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
+    spec_num_drafts: int = 0  # speculative decoding: verifications (one sequence's drafts checked in one step)
+    spec_num_draft_tokens: int = 0  # draft tokens proposed and verified
+    spec_num_accepted_tokens: int = 0  # of which accepted
+    spec_num_draft_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts verified at position i of their chunk
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: of which accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens over proposed ones."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verification yields on average (vLLM's mean acceptance length): the accepted drafts plus the
+        one token the target draws after them."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -91,6 +107,13 @@ class EngineStats:
                 f"({self.prefix_cache_hits}/{self.prefix_cache_queries} tokens, "
                 f"{self.prefix_cache_hits // self.block_size} blocks reused), {self.num_evicted_blocks} evicted"
                 if self.prefix_cache_queries
+                else ""
+            )
+            + (
+                f"; speculative decoding: {self.spec_num_accepted_tokens}/{self.spec_num_draft_tokens} draft tokens "
+                f"accepted ({100 * self.spec_acceptance_rate:.1f}%), mean acceptance length "
+                f"{self.spec_mean_acceptance_length:.2f} tokens per verification"
+                if self.spec_num_drafts
                 else ""
             )
         )

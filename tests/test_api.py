@@ -71,18 +71,18 @@ def test_top_k_1_is_greedy_and_min_tokens_holds_off_stops(tiny_llm):
 
 def test_sampler_filters_against_a_direct_computation():
     """top-k / top-p / min-p keep exactly the tokens their definitions keep."""
-    from pagedlab.worker.sampler import _filtered_probs
+    from pagedlab.worker.sampler import filtered_probs
 
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     p = torch.softmax(logits, -1)[0]
     kept = lambda probs: (probs[0] > 0).nonzero().flatten().tolist()  # noqa: E731
-    assert kept(_filtered_probs(logits, [SamplingParams(top_k=2)])) == [0, 1]
+    assert kept(filtered_probs(logits, [SamplingParams(top_k=2)])) == [0, 1]
     # top_p=0.7: p0=0.64 < 0.7 so token 1 is needed too
-    assert kept(_filtered_probs(logits, [SamplingParams(top_p=0.7)])) == [0, 1]
-    assert kept(_filtered_probs(logits, [SamplingParams(top_p=0.5)])) == [0]
+    assert kept(filtered_probs(logits, [SamplingParams(top_p=0.7)])) == [0, 1]
+    assert kept(filtered_probs(logits, [SamplingParams(top_p=0.5)])) == [0]
     threshold = 0.2 * p[0]
-    assert kept(_filtered_probs(logits, [SamplingParams(min_p=0.2)])) == [i for i in range(5) if p[i] >= threshold]
-    assert torch.allclose(_filtered_probs(logits, [SamplingParams()])[0], p)
+    assert kept(filtered_probs(logits, [SamplingParams(min_p=0.2)])) == [i for i in range(5) if p[i] >= threshold]
+    assert torch.allclose(filtered_probs(logits, [SamplingParams()])[0], p)
 
 
 def test_logprobs(tiny_llm):

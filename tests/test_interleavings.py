@@ -5,13 +5,15 @@ chunked prefill and prefix caching drawn at random), then adds requests (greedy,
 beam search; prompts that share prefixes; stop strings), aborts some and steps, checking after every step that
 the invariants hold. At the end it drains the engine within a bounded number of steps (no livelock), checks that
 nothing leaked, and that every request that finished has exactly the tokens it gets when run alone with ample
-memory. The model is the tiny random Llama with `ByteTokenizer`, so stop strings and text are real.
+memory. The model is the tiny random Llama with `ByteTokenizer`, so stop strings and text are real. The
+speculative machine does the same with speculative decoding on (the model drafting for itself: greedy drafts,
+accepted deep into a chunk for greedy requests, often rejected for the sampled ones).
 """
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -43,6 +45,7 @@ def run_alone(prompt: tuple[int, ...], params, max_model_len: int) -> list[list[
 
 
 class EngineMachine(RuleBasedStateMachine):
+    SPECULATIVE_CONFIG = None
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
         num_kv_blocks=st.integers(10, 40),
@@ -62,6 +65,7 @@ class EngineMachine(RuleBasedStateMachine):
             enable_partial_preemption=partial, enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, force_preemption_rate=forced,
             max_model_len=min(48, num_kv_blocks * block_size), record_trace=False,
+            speculative_config=self.SPECULATIVE_CONFIG,
         ))  # fmt: skip
         self.requests: dict[str, tuple] = {}  # live request id -> (prompt, params)
         self.aborted: set[str] = set()
@@ -149,10 +153,24 @@ class EngineMachine(RuleBasedStateMachine):
         assert stats.num_used_blocks == 0, "device blocks leaked"
         if engine.swap_space is not None:
             assert engine.swap_space.pool.num_used_blocks == 0, "CPU blocks leaked"
+        if self.SPECULATIVE_CONFIG:
+            event(f"drafts verified: {stats.spec_num_drafts > 0}, some rejected: "
+                  f"{stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens}")  # fmt: skip
 
 
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)  # fmt: skip
+
+
+class SpeculativeEngineMachine(EngineMachine):
+    SPECULATIVE_CONFIG = {"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3}
+
+
+TestSpeculativeEngineMachine = SpeculativeEngineMachine.TestCase
+TestSpeculativeEngineMachine.settings = settings(
+    max_examples=25, stateful_step_count=30, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip

@@ -58,7 +58,10 @@ def test_kernels_install_inside_the_package_not_as_top_level_kernels(tmp_path):
 def test_core_imports_no_torch():
     import subprocess
 
-    code = "import sys, pagedlab.core.scheduler, pagedlab.core.trace, pagedlab.contiguous; print('torch' in sys.modules)"
+    code = (
+        "import sys, pagedlab.core.scheduler, pagedlab.core.trace, pagedlab.core.draft_tables, pagedlab.contiguous, "
+        "pagedlab.spec_decode.ngram_proposer; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -8,6 +8,9 @@ every sequence reads back the KV of its own tokens. So a block handed out while 
 a shared block written in place, or a swap that lost sharing, is caught. It also checks the budgets, that the
 victims of preemption are the newest requests, that nothing is admitted in a step that preempted, and at the
 end that every request finishes within a bounded number of steps (liveness) and nothing leaks.
+The speculative machines also hand the scheduler draft tokens for its running decodes, some right and some wrong;
+the fake model verifies them, and the KV of rejected drafts, written into the shadow cache like any other, must
+never be read back: the rollback gives their slots back exactly.
 Settings are derandomized and database-free, so CI is reproducible.
 """
 
@@ -27,6 +30,7 @@ from pagedlab.core.preemption import PreemptionCostModel
 from pagedlab.core.request import Request, RequestStatus
 from pagedlab.core.sched_output import BeamDecision
 from pagedlab.core.scheduler import Scheduler
+from pagedlab.core.speculation import draft_requests
 from pagedlab.core.swap_space import SwapSpace
 from pagedlab.sampling_params import SamplingParams
 
@@ -67,6 +71,7 @@ def setups(draw, swap: bool, chunked=st.booleans()):
 
 class SchedulerMachine(RuleBasedStateMachine):
     PREFIX_CACHING = False
+    SPECULATE = False  # propose draft tokens for the running decodes (speculative decoding)
     MAX_TEARDOWN_STEPS = 5_000
 
     def _setup(self, setup) -> None:
@@ -148,8 +153,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # -- the fake model and beam search ---------------------------------------------------------------------
 
-    def _next_token(self, request_id: str, group_id: str) -> int:
-        tokens = self.tokens[request_id]
+    def _next_token(self, request_id: str, group_id: str, drafts: tuple[int, ...] = ()) -> int:
+        tokens = self.tokens[request_id] + list(drafts)
         num_output = len(tokens) - self.num_prompt[group_id]
         if request_id == group_id and self.eos_at.get(group_id) == num_output:
             return EOS
@@ -179,7 +184,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         swapped_before = {r.request_id for r in scheduler.swapped}
         free_before = set(self.kv.pool.free_block_ids())
 
-        out = scheduler.schedule()
+        drafts = self._propose(data) if self.SPECULATE and data is not None else {}
+        out = scheduler.schedule(drafts or None)
 
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids)), f"a sequence is scheduled twice: {ids}"
@@ -237,7 +243,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The forward pass: every new token's KV is written, then every sequence reads its context.
         size = config.block_size
         for s in out.scheduled:
-            tokens = self.tokens[s.request_id]
+            if s.num_spec_tokens:
+                event("speculated")
+                assert s.num_spec_tokens <= len(drafts[s.request_id]) and s.num_new_tokens == 1 + s.num_spec_tokens
+                assert s.spec_token_ids == drafts[s.request_id][: s.num_spec_tokens]
+                assert not out.preempted, "speculated in a step that preempted"
+            tokens = self.tokens[s.request_id] + list(s.spec_token_ids)
             assert s.token_ids == tuple(tokens[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
             assert s.block_ids == tuple(self.kv.block_tables[s.request_id].block_ids)
             for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
@@ -255,28 +266,45 @@ class SchedulerMachine(RuleBasedStateMachine):
             aborted = data.draw(st.sampled_from([s.group_id for s in out.scheduled]), "abort_mid_step")
             self._abort(aborted)
 
-        sampled, decisions = {}, []
+        sampled, decisions, num_accepted, emitted = {}, [], {}, {}
         for s in out.scheduled:
             for target in s.sampling:
                 if s.group_id == aborted:
                     continue
                 if target.is_beam:
                     self.beams[s.group_id]["ready"].add(target.request_id)
+                elif s.num_spec_tokens:  # verify: the longest agreeing prefix of the drafts, then the model's token
+                    spec, accepted = s.spec_token_ids, 0
+                    while (token := self._next_token(s.request_id, s.group_id, spec[:accepted])) == (
+                        spec[accepted] if accepted < len(spec) else None
+                    ):
+                        accepted += 1
+                    sampled[target.request_id], num_accepted[target.request_id] = token, accepted
+                    emitted[target.request_id] = (*spec[:accepted], token)
                 else:
                     sampled[target.request_id] = self._next_token(target.request_id, s.group_id)
+                    emitted[target.request_id] = (sampled[target.request_id],)
         for group_id, beam in self.beams.items():
             live = {r.request_id for r in scheduler.groups.get(group_id, ())}
             if live and beam["ready"] >= live:
                 decisions.append(self._beam_decision(group_id, data))
                 beam["ready"].clear()
 
-        update = scheduler.update_from_output(out, sampled, decisions)
+        update = scheduler.update_from_output(out, sampled, decisions, None, num_accepted)
 
-        assert dict((u.request_id, u.new_token_ids[0]) for u in update.sequences
-                    if u.new_token_ids and u.request_id in sampled) == sampled  # fmt: skip
+        appended = {u.request_id for u in update.sequences if u.new_token_ids and u.request_id in sampled}
+        assert appended == set(sampled)
         for u in update.sequences:
             if u.request_id in sampled:
-                self.tokens[u.request_id].append(u.new_token_ids[0])
+                # the emitted tokens, cut after the first that finishes the sequence
+                n = len(u.new_token_ids)
+                assert u.new_token_ids == emitted[u.request_id][:n]
+                assert n == len(emitted[u.request_id]) or u.finish_reason
+                self.tokens[u.request_id] += u.new_token_ids
+        for (request_id, k, accepted), (rolled_id, slots) in zip(update.verified, update.rolled_back):
+            assert request_id == rolled_id and accepted == num_accepted[request_id] and len(slots) == k - accepted
+            if k > accepted:
+                event("rolled back")
         for decision, (group_id, beam_ids) in zip(decisions, update.beam_ids):
             assert decision.group_id == group_id and len(beam_ids) == len(decision.continuations)
             parents = {p: list(self.tokens[p]) for p, _ in decision.continuations}
@@ -296,6 +324,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         free_now = set(self.kv.pool.free_block_ids())
         assert free_now <= free_before | freed or aborted, "a block became free without being reported"
         self.num_steps += 1
+
+    def _propose(self, data) -> dict[str, tuple[int, ...]]:
+        """Drafts for some running decodes: a few the fake model would produce, then perhaps wrong ones."""
+        drafts = {}
+        for request in draft_requests(self.scheduler, 4):
+            if data.draw(st.integers(0, 3), "drafts?") == 0:
+                continue
+            rid, right = request.request_id, []
+            num_right = data.draw(st.integers(0, request.max_num_draft_tokens), "num_right")
+            for _ in range(num_right):
+                right.append(self._next_token(rid, self.group_of[rid], tuple(right)))
+            wrong = data.draw(st.lists(st.integers(1, 90), max_size=request.max_num_draft_tokens - num_right), "wrong")
+            if right or wrong:
+                drafts[rid] = (*right, *wrong)
+        return drafts
 
     def _check_finish(self, u) -> None:
         tokens = self.tokens.pop(u.request_id)
@@ -377,6 +420,15 @@ class SwapPrefixCachingMachine(SwapMachine):
     PREFIX_CACHING = True
 
 
+class SpeculativeMachine(RecomputeMachine):
+    SPECULATE = True
+
+
+class SpeculativeSwapPrefixCachingMachine(SwapMachine):
+    SPECULATE = True
+    PREFIX_CACHING = True
+
+
 TestRecomputeMachine = RecomputeMachine.TestCase
 TestRecomputeMachine.settings = machine_settings(200)
 TestSwapMachine = SwapMachine.TestCase
@@ -385,3 +437,7 @@ TestPrefixCachingMachine = PrefixCachingMachine.TestCase
 TestPrefixCachingMachine.settings = machine_settings(150)
 TestSwapPrefixCachingMachine = SwapPrefixCachingMachine.TestCase
 TestSwapPrefixCachingMachine.settings = machine_settings(150)
+TestSpeculativeMachine = SpeculativeMachine.TestCase
+TestSpeculativeMachine.settings = machine_settings(150)
+TestSpeculativeSwapPrefixCachingMachine = SpeculativeSwapPrefixCachingMachine.TestCase
+TestSpeculativeSwapPrefixCachingMachine.settings = machine_settings(150)

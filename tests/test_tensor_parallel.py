@@ -178,3 +178,13 @@ def test_smollm2_over_three_ranks_equals_hugging_face(smollm2):
     with LLM(None, tensor_parallel_size=3, num_kv_blocks=32, preemption_mode="recompute") as llm:
         assert greedy(llm, prompts) == hf_greedy(model, prompts, MAX_TOKENS)
         assert [info.kv_heads for info in llm.llm_engine.worker.ranks] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_ngram_speculation_over_two_ranks_equals_hugging_face(folders):
+    """Drafts are proposed in the engine; each rank verifies its share of the same chunk."""
+    models, paths = folders
+    prompts = prompts_with_shared_prefix() + [[3, 4, 5, 6, 7, 8] * 5, [9, 10, 11] * 8]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(paths["llama"], tensor_parallel_size=2, speculative_config=spec, **CONFIG)
+    assert greedy(llm, prompts) == hf_greedy(models["llama"], prompts, MAX_TOKENS)
+    assert llm.stats().spec_num_accepted_tokens > 0

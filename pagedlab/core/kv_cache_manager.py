@@ -20,7 +20,7 @@ from pagedlab.core.block_hash import BlockHash, hash_block, root_hash
 from pagedlab.core.block_pool import BlockPool
 from pagedlab.core.block_table import BlockTable, cdiv
 
-__all__ = ["Allocation", "BlockTable", "KVCacheManager", "cdiv"]
+__all__ = ["Allocation", "BlockTable", "KVCacheManager", "Rollback", "cdiv"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,16 @@ class Allocation:
     new_block_ids: tuple[int, ...]  # blocks added to the table this call (a copy-on-write copy included)
     copy: tuple[int, int] | None = None  # copy-on-write: (shared source block, its private copy) to fill
     evicted: tuple[int, ...] = ()  # cached blocks whose content was dropped to hand them out
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """What one `rollback` call gave back: the token slots past the table's new end, and the whole blocks
+    among them that became free."""
+
+    request_id: str
+    slots: tuple[int, ...]  # flat slots (block_id * block_size + offset) of the positions given back, in order
+    freed: tuple[int, ...]  # blocks that became free
 
 
 class KVCacheManager:
@@ -247,6 +257,32 @@ class KVCacheManager:
         if request_id in self.block_hashes:
             del self.block_hashes[request_id][num_blocks:]
         return self.pool.free(reversed(released))
+
+    def rollback(self, request_id: str, num_tokens: int) -> Rollback:
+        """Shrink the sequence's table to its first `num_tokens` token slots (speculative decoding: the slots of
+        the proposed tokens that verification rejected). Whole blocks past the new end are released (last first,
+        like `free`); the new last block keeps its place and its fill count drops, so its empty slots are
+        written again by the next tokens. Block size 4, 10 slots in use, 3 proposed tokens rejected:
+
+            before:  [7, 1, 12]   10 slots: 7 committed + 3 rejected (positions 7, 8, 9)
+            after:   [7, 1]        7 slots: block 12 freed, block 1 filled 3/4 again (its slot 3 is empty)
+
+        The slots given back were written in this step only, so none of them is in a block with a cached hash
+        (hashes cover full blocks of committed tokens only)."""
+        table = self.block_tables[request_id]
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"{request_id}: cannot roll back to {num_tokens} of {table.num_tokens} slots")
+        size = self.block_size
+        slots = tuple(table.slot(p) for p in range(num_tokens, table.num_tokens))
+        num_kept = self.num_blocks_for(num_tokens)
+        if num_tokens % size:
+            assert self.pool.block_hash[table.block_ids[num_kept - 1]] is None, "rolled back into a cached block"
+        released = table.block_ids[num_kept:]
+        del table.block_ids[num_kept:]
+        table.num_tokens = num_tokens
+        if request_id in self.block_hashes:
+            del self.block_hashes[request_id][num_tokens // size :]
+        return Rollback(request_id, slots, tuple(self.pool.free(reversed(released))))
 
     def free(self, request_id: str) -> list[int]:
         """Release the sequence's table; return the blocks that became free. Unknown ids free nothing.

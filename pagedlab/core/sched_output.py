@@ -26,13 +26,19 @@ class SamplingRequest:
     params: SamplingParams
     banned_token_ids: tuple[int, ...] = ()  # EOS and stop token ids while min_tokens is not reached
     is_beam: bool = False
+    num_banned_positions: int = 0  # the ban holds for this many tokens from here (a verified row draws several)
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One sequence's share of a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
     whose ids are `token_ids`, through the block table `block_ids`; then, if the step reaches its newest token,
-    draw from its last row for each of `sampling` (itself, and the samples forked from it this step)."""
+    draw from its last row for each of `sampling` (itself, and the samples forked from it this step).
+
+    Speculative decoding: the last `num_spec_tokens` of `token_ids` are proposed (draft) tokens after the
+    sequence's newest token. They are computed like the others (a decode becomes a chunk of 1 + k tokens, and the
+    budget counts them); every row of the chunk is scored, the longest agreeing prefix of the drafts is
+    accepted plus one token drawn after it, and the slots of the rejected drafts are rolled back."""
 
     request_id: str
     num_computed_tokens: int
@@ -41,6 +47,12 @@ class ScheduledRequest:
     token_ids: tuple[int, ...] = ()
     block_ids: tuple[int, ...] = ()
     sampling: tuple[SamplingRequest, ...] = ()
+    num_spec_tokens: int = 0
+
+    @property
+    def spec_token_ids(self) -> tuple[int, ...]:
+        """The draft tokens to verify (the end of `token_ids`)."""
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens :]
 
     @property
     def samples(self) -> bool:
@@ -109,6 +121,8 @@ class UpdateOutput:
     beam_ids: tuple[tuple[str, tuple[str, ...]], ...] = ()  # per beam decision: the sequence of each continuation
     failed: tuple[tuple[str, str], ...] = ()  # (group_id, why): groups whose processing raised
     freed: tuple[int, ...] = ()
+    verified: tuple[tuple[str, int, int], ...] = ()  # speculative decoding: (request_id, drafts, drafts accepted)
+    rolled_back: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (request_id, slots of the rejected drafts)
 
     @property
     def appended(self) -> tuple[tuple[str, int], ...]:

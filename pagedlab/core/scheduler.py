@@ -28,6 +28,7 @@ from pagedlab.core.request import Request, RequestStatus
 from pagedlab.core.sched_output import BeamDecision, SchedulerOutput, SequenceUpdate, UpdateOutput
 from pagedlab.core.scheduler_state import RUNNING, SchedulerState, runs_by_group
 from pagedlab.core.scheduler_step import StepBuilder
+from pagedlab.core.speculation import accept, speculate
 from pagedlab.core.stats import SchedulerStats
 from pagedlab.core.swap_space import SwapSpace
 
@@ -57,7 +58,8 @@ class Scheduler(SchedulerState):
 
     # -- one step -------------------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """One step's decisions. `draft_token_ids`: proposed tokens of running decodes (speculative decoding)."""
         step = StepBuilder(self)
         partial = self.config.enable_partial_preemption
 
@@ -113,6 +115,11 @@ class Scheduler(SchedulerState):
             request.status = RUNNING
             bisect.insort(self.running, request, key=Request.order.fget)
             step.admit(request, num_new_tokens, allocation)
+
+        # 4. Speculative decoding: the decodes scheduled above verify their draft tokens in the same pass, from the
+        #    budget and free blocks nobody else took (`pagedlab.core.speculation`); never in a step that preempted.
+        if draft_token_ids and not (step.preempted or step.stalled):
+            speculate(self, step, draft_token_ids)
 
         self.stats.num_steps += 1
         output = step.build(self.stats.num_steps)
@@ -227,19 +234,30 @@ class Scheduler(SchedulerState):
         sampled: Mapping[str, int],
         beam_decisions: Sequence[BeamDecision] = (),
         failed: Mapping[str, str] | None = None,
+        num_accepted: Mapping[str, int] | None = None,
     ) -> UpdateOutput:
         """Advance each scheduled sequence by what was computed, append the sampled tokens, apply the beam steps
         (fork the parents chosen twice, prune the others), and finish what stopped. `failed` maps the groups
-        whose processing raised to the error: they are finished first."""
+        whose processing raised to the error: they are finished first. `num_accepted`: for each sequence that
+        verified drafts, how many the model accepted (the rest are rolled back)."""
         freed = self.kv.release_copy_sources([(source, copy) for _, source, copy in output.copies])
         failed = dict(failed or {})
         finished, failed_freed = self.finish_groups(failed, RequestStatus.FINISHED_ERROR)
         freed += failed_freed
         updates = [SequenceUpdate(r.request_id, r.group_id, (), "error") for r in finished]
+        verified, rolled_back = [], []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RUNNING:
                 continue  # aborted, failed or finished after it was scheduled
+            if scheduled.num_spec_tokens:
+                accepted = (num_accepted or {}).get(request.request_id, 0)
+                token_id = sampled[request.request_id]
+                rollback_freed, rollback = accept(self, request, scheduled, token_id, accepted, updates)
+                freed += rollback_freed
+                verified.append((request.request_id, scheduled.num_spec_tokens, accepted))
+                rolled_back.append((request.request_id, rollback.slots))
+                continue
             request.num_computed_tokens += scheduled.num_new_tokens
             self.kv.cache_full_blocks(
                 request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt
@@ -253,7 +271,10 @@ class Scheduler(SchedulerState):
         for decision in beam_decisions:
             if decision.group_id in self.groups:
                 beam_ids.append((decision.group_id, self._apply_beam_decision(decision, forked, updates, freed)))
-        return UpdateOutput(tuple(updates), tuple(forked), tuple(beam_ids), tuple(failed.items()), tuple(freed))
+        return UpdateOutput(
+            tuple(updates), tuple(forked), tuple(beam_ids), tuple(failed.items()), tuple(freed), tuple(verified),
+            tuple(rolled_back),
+        )  # fmt: skip
 
     def _append(self, sequence: Request, token_id: int, updates: list[SequenceUpdate]) -> list[int]:
         sequence.append_token(token_id)

@@ -40,8 +40,9 @@ class SchedulerState:
       - every unfinished sequence is in exactly one of `waiting`, `running` and `swapped`; finished ones in none;
       - `running` and `swapped` are sorted by `order` (arrival, then place in the group), so a group's sequences
         sit together; the running groups reserve at most max_num_seqs sequence slots;
-      - a running sequence holds a device block table covering at least its computed tokens; a swapped one a
-        CPU table of exactly its computed tokens; a waiting one holds none and has computed none;
+      - between steps, a running sequence holds a device block table of exactly its computed tokens (a table grows
+        only for the tokens a step computes, and speculative decoding rolls back the slots of rejected drafts); a
+        swapped one a CPU table of exactly its computed tokens; a waiting one holds none and has computed none;
       - the block manager's and the swap space's own invariants hold.
     """
 
@@ -167,7 +168,10 @@ class SchedulerState:
         for request in self.running:
             assert request.status == RUNNING
             table = self.kv.block_tables.get(request.request_id)
-            assert table is not None and table.num_tokens >= request.num_computed_tokens
+            assert table is not None and table.num_tokens == request.num_computed_tokens, (
+                f"running {request.request_id}: {table and table.num_tokens} slots for {request.num_computed_tokens} "
+                "computed tokens (a rollback missed?)"
+            )
         for request in self.waiting:
             assert request.status == RequestStatus.WAITING
             assert request.request_id not in self.kv.block_tables, f"waiting {request.request_id} holds blocks"

@@ -25,10 +25,11 @@ def sampling_request(request: Request) -> SamplingRequest:
     """How to draw the sequence's next token: EOS and stop token ids are banned until min_tokens is reached."""
     params = request.sampling_params
     banned: tuple[int, ...] = ()
-    if request.num_output_tokens < params.min_tokens:
+    num_banned_positions = params.min_tokens - request.num_output_tokens
+    if num_banned_positions > 0:
         eos = () if params.ignore_eos else tuple(sorted(request.eos_token_ids))
         banned = eos + params.stop_token_ids
-    return SamplingRequest(request.request_id, params, banned, request.is_beam)
+    return SamplingRequest(request.request_id, params, banned, request.is_beam, max(num_banned_positions, 0))
 
 
 class StepBuilder:
@@ -67,6 +68,19 @@ class StepBuilder:
             self.allocated.append((request.request_id, allocation.new_block_ids))
         if allocation.copy is not None:
             self.copies.append((request.request_id, *allocation.copy))
+        self.evicted += allocation.evicted
+
+    def speculate(self, index: int, draft_token_ids: tuple[int, ...], allocation: Allocation) -> None:
+        """Extend the decode `scheduled[index]` by draft tokens to verify, whose slots `allocation` has just added."""
+        work = self.scheduled[index]
+        self.budget -= len(draft_token_ids)
+        table = self.scheduler.kv.block_tables[work.request_id]
+        self.scheduled[index] = dataclasses.replace(
+            work, num_new_tokens=work.num_new_tokens + len(draft_token_ids), token_ids=work.token_ids + draft_token_ids,
+            block_ids=tuple(table.block_ids), num_spec_tokens=len(draft_token_ids),
+        )  # fmt: skip
+        if allocation.new_block_ids:
+            self.allocated.append((work.request_id, allocation.new_block_ids))
         self.evicted += allocation.evicted
 
     def _fork_samples(self, first: Request) -> list[Request]:

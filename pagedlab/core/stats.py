@@ -1,11 +1,12 @@
-"""The scheduler's counters over an engine's life: steps, preemptions by kind, recomputed tokens.
+"""The scheduler's counters over an engine's life: steps, preemptions by kind, recomputed tokens, speculative
+decoding's drafts verified and accepted.
 
 # Explained in chapters/06_preemption.ipynb
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedlab.core.preemption import Preemption, PreemptionMode
 
@@ -18,6 +19,21 @@ class SchedulerStats:
     num_preemptions_swap: int = 0
     num_preemptions_partial: int = 0  # of which partial: only the victim's tail blocks were taken
     num_recomputed_tokens: int = 0  # computed tokens whose KV a recompute or partial preemption dropped
+    spec_num_drafts: int = 0  # speculative decoding: verifications (a sequence's drafts checked in one step)
+    spec_num_draft_tokens: int = 0  # draft tokens verified (proposed and scheduled)
+    spec_num_accepted_tokens: int = 0
+    spec_num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts verified at position i
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft_tokens
+        self.spec_num_accepted_tokens += num_accepted
+        for counts, n in ((self.spec_num_draft_tokens_per_pos, num_draft_tokens),
+                          (self.spec_num_accepted_tokens_per_pos, num_accepted)):  # fmt: skip
+            counts.extend([0] * (num_draft_tokens - len(counts)))
+            for i in range(n):
+                counts[i] += 1
 
     def record(self, preemption: Preemption) -> None:
         count = len(preemption.request_ids)

@@ -62,6 +62,8 @@ class StepRecord:
     truncated: tuple[tuple[str, int], ...] = ()  # partial preemptions: (request_id, computed tokens it kept)
     restarted: tuple[tuple[str, str], ...] = ()  # (group, first beam): beam searches starting again
     duration_s: float = 0.0  # wall-clock time of the step, scheduling to outputs
+    verified: tuple[tuple[str, int, int], ...] = ()  # speculative decoding: (request_id, drafts, drafts accepted)
+    rolled_back: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (request_id, slots its rejected drafts gave back)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -107,6 +109,8 @@ class StepRecord:
             truncated=output.truncated,
             restarted=output.restarted,
             duration_s=duration_s,
+            verified=update.verified,
+            rolled_back=update.rolled_back,
         )
 
 

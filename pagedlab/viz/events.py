@@ -81,6 +81,11 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
     was_preempted = {rid for r in trace.steps[:position] for rid in r.preempted}
     swapped_in = {rid for rid, _ in record.swapped_in}
     sampled = dict(record.appended)
+    emitted: dict[str, list[int]] = {}
+    for rid, token in record.appended:
+        emitted.setdefault(rid, []).append(token)
+    verified = {rid: (k, accepted) for rid, k, accepted in record.verified}
+    rolled_back = dict(record.rolled_back)
     events = []
     swapped_out = dict(record.swapped_out)
     truncated = list(record.truncated)
@@ -100,6 +105,16 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
         rid = work.request_id
         fresh = rid not in was_running and rid not in swapped_in
         text = _work(trace, index, work, fresh, rid in was_preempted)
+        if rid in verified:  # speculative decoding: a decode and its drafts, verified in one chunk
+            k, accepted = verified[rid]
+            slots = list(rolled_back.get(rid, ()))
+            first, last = work.num_computed_tokens, work.num_computed_tokens + work.num_new_tokens - 1
+            text = (f"seq {rid} verified {k} draft token{'s' if k > 1 else ''} with its newest token (tokens "
+                    f"{first}-{last}): accepted {accepted}"
+                    + (f", rolled back slots {slots}" if slots else "")
+                    + f", emitted {', '.join(_token(t, tokenizer) for t in emitted.get(rid, ()))}")  # fmt: skip
+            events.append(text)
+            continue
         if rid in sampled:
             text += f", sampled {_token(sampled[rid], tokenizer)}"
         events.append(text)

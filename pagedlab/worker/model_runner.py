@@ -14,7 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAt
 from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
 from pagedlab.worker.kv_quant import KVScales, is_quantized
+from pagedlab.worker.rejection_sampler import verify
 from pagedlab.worker.sampler import Sampler, SamplerOutput
 
 
@@ -32,6 +33,8 @@ class RunnerOutput:
     sampled: dict[str, int]  # request_id -> the token drawn
     logprobs: dict[str, dict[int, float]]  # request_id -> {token_id: logprob}, for the requests that asked
     beam_logprobs: dict[str, torch.Tensor]  # beam sequence id -> [vocab_size] next-token log-probabilities
+    # speculative decoding: request_id -> drafts accepted (its logprobs are then a list, one per emitted token)
+    num_accepted: dict[str, int] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -132,26 +135,45 @@ class ModelRunner:
 
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> RunnerOutput:
         """Compute the step: draw a token for each sampling target; beam sequences get their next-token
-        log-probabilities instead, for the beam step to choose from."""
+        log-probabilities instead, for the beam step to choose from; sequences with drafts have them verified."""
         input_ids, positions, sample_rows, metadata = self._prepare(scheduled)
         targets = [target for s in scheduled for target in s.sampling]
+        verified = {s.request_id: s for s in scheduled if s.num_spec_tokens}
+        to_verify, verify_rows = [], []
+        if verified:  # speculative decoding: every row of a verified chunk is scored, not only its last
+            rows = list(zip(targets, sample_rows))
+            to_verify = [(t, row) for t, row in rows if t.request_id in verified]
+            targets = [t for t, _ in rows if t.request_id not in verified]
+            sample_rows = [row for t, row in rows if t.request_id not in verified]
+            verify_rows = [
+                r for t, row in to_verify for r in range(row - verified[t.request_id].num_spec_tokens, row + 1)
+            ]
         with torch.inference_mode():
             logits = self.decode_graphs.run(input_ids, positions, metadata) if self.decode_graphs else None
             if logits is not None:
                 logits = logits[sample_rows]  # a recorded decode step
             else:
                 context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend, self.kv_scales)
-                keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+                keep = torch.tensor(sample_rows + verify_rows, dtype=torch.long, device=self.device)
                 logits = self._forward(input_ids, positions, context, keep)
+                if verify_rows:
+                    logits, verify_logits = logits[: len(sample_rows)], logits[len(sample_rows) :]
             sampled_rows = [i for i, target in enumerate(targets) if not target.is_beam]
             beam_rows = [i for i, target in enumerate(targets) if target.is_beam]
             sampling = [targets[i] for i in sampled_rows]
             out: SamplerOutput = self.sampler(logits[sampled_rows] if beam_rows else logits, sampling)
             beam_logprobs = torch.log_softmax(logits[beam_rows].float(), dim=-1) if beam_rows else None
+            checks = verify(verify_logits, [(verified[t.request_id].spec_token_ids, t) for t, _ in to_verify],
+                            self.sampler) if to_verify else []  # fmt: skip
         sampled = {target.request_id: token_id for target, token_id in zip(sampling, out.token_ids)}
         logprobs = {t.request_id: lp for t, lp in zip(sampling, out.logprobs) if lp is not None}
         beams = {targets[i].request_id: beam_logprobs[j] for j, i in enumerate(beam_rows)}
-        return RunnerOutput(sampled, logprobs, beams)
+        num_accepted = {}
+        for (target, _), check in zip(to_verify, checks):
+            sampled[target.request_id], num_accepted[target.request_id] = check.token_id, check.num_accepted
+            if check.logprobs is not None:
+                logprobs[target.request_id] = check.logprobs
+        return RunnerOutput(sampled, logprobs, beams, num_accepted)
 
     def _prepare(self, scheduled: Sequence[ScheduledRequest]):
         """The flat batch: token ids, positions, the rows that sample, and attention metadata.

@@ -45,7 +45,7 @@ class Sampler:
         for rid, generator in self._request_generators.items():
             generator.set_state(per_request[rid])
 
-    def _generator(self, row: SamplingRequest) -> torch.Generator:
+    def generator_for(self, row: SamplingRequest) -> torch.Generator:
         if row.params.seed is None:
             return self.generator
         generator = self._request_generators.get(row.request_id)
@@ -67,10 +67,10 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
-            probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
+            probs = filtered_probs(logits[index], [rows[i].params for i in random_rows])
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=self._generator(rows[i]))
+                noise[j].exponential_(generator=self.generator_for(rows[i]))
             token_ids[index] = (probs / noise).argmax(dim=-1)
         token_list = token_ids.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
@@ -83,7 +83,7 @@ class Sampler:
         return SamplerOutput(token_list, logprobs)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of logits / temperature after top-k, top-p and min-p, row by row settings."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temperature[:, None]

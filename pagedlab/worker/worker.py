@@ -109,10 +109,10 @@ class Worker:
         state = sampler.get_state()
         try:
             result = runner.execute(output.scheduled)
-            return ModelRunnerOutput(result.sampled, result.logprobs, result.beam_logprobs)
+            return ModelRunnerOutput(result.sampled, result.logprobs, result.beam_logprobs, result.num_accepted)
         except Exception as exc:  # noqa: BLE001
             if len({s.group_id for s in output.scheduled}) == 1:
-                return ModelRunnerOutput({}, {}, {}, {output.scheduled[0].group_id: _message(exc)})
+                return ModelRunnerOutput({}, {}, {}, errors={output.scheduled[0].group_id: _message(exc)})
         sampler.set_state(state)  # undo the draws of the failed batch: each request draws once
         merged, errors = ModelRunnerOutput({}, {}, {}), {}
         for scheduled in output.scheduled:
@@ -126,12 +126,14 @@ class Worker:
             merged.sampled.update(one.sampled)
             merged.logprobs.update(one.logprobs)
             merged.beam_logprobs.update(one.beam_logprobs)
+            merged.num_accepted.update(one.num_accepted)
         alive = {s.request_id for s in output.scheduled if s.group_id not in errors}
         alive |= {t.request_id for s in output.scheduled if s.group_id not in errors for t in s.sampling}
         return ModelRunnerOutput(
             {r: v for r, v in merged.sampled.items() if r in alive},
             {r: v for r, v in merged.logprobs.items() if r in alive},
             {r: v for r, v in merged.beam_logprobs.items() if r in alive},
+            {r: v for r, v in merged.num_accepted.items() if r in alive},
             errors,
         )
 
