@@ -79,7 +79,7 @@ def compile_for_target(kernel: JITFunction, args: dict, constants: dict, arch: i
     options, signature, constexprs, attrs = kernel._pack_args(backend, launch_kwargs, bound, specialization, options)
     start = time.perf_counter()
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)  # fmt: skip
+                              options=options.__dict__)
     seconds = time.perf_counter() - start
     ptx = compiled.asm["ptx"]
     registers, local_bytes = _resource_usage(compiled.asm["cubin"])
@@ -89,7 +89,7 @@ def compile_for_target(kernel: JITFunction, args: dict, constants: dict, arch: i
         ptx_local=re.search(r"\.local\b", ptx) is not None,
         tensor_cores="wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "",
         seconds=round(seconds, 2),
-    )  # fmt: skip
+    )
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:

@@ -38,7 +38,7 @@ def _decode(case: dict, split_k: bool = False) -> dict:
     from .paged_decode import decode_constants
 
     return decode_constants(_torch_dtype(case["dtype"]), case["group"], case["head_dim"], case["block_size"],
-                            case["window"], split_k=split_k)  # fmt: skip
+                            case["window"], split_k=split_k)
 
 
 def _prefill(case: dict) -> dict:
@@ -79,7 +79,7 @@ class KernelSpec:
 
 
 _DECODE_AXES = dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS,
-                    index_dtype=INDEX_DTYPES)  # fmt: skip
+                    index_dtype=INDEX_DTYPES)
 _INDEX = dict(block_tables_ptr="index_dtype", context_lens_ptr="index_dtype")
 _SCALES = dict(kv_scales_ptr="float32")  # a float8 cache's K and V scales (FP8 variants: not in this grid yet)
 _PARTIALS = dict(partial_max_ptr="float32", partial_sum_ptr="float32", partial_out_ptr="float32")
@@ -97,7 +97,7 @@ KERNELS = (
                     index_dtype=INDEX_DTYPES),
                _prefill, dict(block_tables_ptr="index_dtype", query_start_loc_ptr="index_dtype",
                               num_context_ptr="index_dtype", **_SCALES), uses_dot=True),
-)  # fmt: skip
+)
 
 
 def covering_cases(axes: dict[str, tuple], pinned: list[dict], seen: Counter) -> list[dict]:
@@ -198,7 +198,7 @@ def compile_grid(cases: list[Case], jobs: int = 2, env: dict | None = None) -> l
     parts = [payload[i::jobs] for i in range(jobs)]
     processes = [
         subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                         stderr=subprocess.PIPE, text=True, env=env)
         for part in parts if part
     ]
     results = []

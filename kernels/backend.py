@@ -25,7 +25,7 @@ def prefill_tensors(prefills, device: torch.device):
     for before, after in zip(prefills, prefills[1:]):
         if before.end != after.start:
             raise ValueError(f"prefill chunks must be back to back: one ends at row {before.end}, "
-                             f"the next starts at row {after.start}")  # fmt: skip
+                             f"the next starts at row {after.start}")
     query_start_loc = torch.tensor([c.start for c in prefills] + [prefills[-1].end], dtype=torch.int32)
     num_context = torch.tensor([c.num_context for c in prefills], dtype=torch.int32)
     block_tables = torch.nn.utils.rnn.pad_sequence(
@@ -58,7 +58,7 @@ def triton_attention(
         paged_decode(
             q[:num_decodes], key_cache, value_cache, metadata.decode_block_tables, metadata.decode_context_lens,
             scale, sliding_window, out=out[:num_decodes], workspace=workspace, kv_scales=kv_scales,
-        )  # fmt: skip
+        )
     if metadata.prefills:
         inputs = metadata.kernel_inputs.get("prefill")  # built once per step, not once per layer
         if inputs is None:
@@ -67,5 +67,5 @@ def triton_attention(
         paged_prefill(
             q, key_cache, value_cache, query_start_loc, num_context, block_tables, scale, sliding_window,
             max_num_new=max_num_new, out=out, kv_scales=kv_scales,
-        )  # fmt: skip
+        )
     return out

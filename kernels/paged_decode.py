@@ -122,7 +122,7 @@ def _attend_keys(
             key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
             stride_cache_block, stride_cache_slot, stride_cache_head, k_scale, v_scale,
             HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32, KV_FP8,
-        )  # fmt: skip
+        )
         key, value = key.to(query.dtype), value.to(query.dtype)  # a no-op but for a float8 cache
         scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale_log2e  # [BLOCK_G, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -241,7 +241,7 @@ def paged_decode_reduce_kernel(
 def use_split_k(
     batch_size: int, max_context_len: int, num_kv_heads: int = 1, num_sms: int = 132,
     partition_size: int = PARTITION_SIZE,
-) -> bool:  # fmt: skip
+) -> bool:
     """Whether the wrapper runs split-K (v2) rather than one program per (sequence, KV head) (v1).
 
     v1 launches batch_size * num_kv_heads programs and each walks its whole context serially. When that is
@@ -264,7 +264,7 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 def decode_constants(
     dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool, split_k: bool = False,
     kv_fp8: bool = False,
-) -> dict:  # fmt: skip
+) -> dict:
     """The constexprs (and warps) the wrapper picks for `paged_decode_kernel` (with split_k, the split kernel):
     the query head group padded to a power of two (BLOCK_G), the head dim padded to a power of two of at least
     16 (BLOCK_D: a GPU's `tl.dot` needs K >= 16), BLOCK_N keys per tile. Compiled for sm_80/89/90
@@ -278,14 +278,14 @@ def decode_constants(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d, BLOCK_N=BLOCK_N if row_bytes <= 512 else BLOCK_N // 2,
         DOT_FP32=dot_in_fp32(dtype), KV_FP8=kv_fp8, num_warps=8 if row_bytes >= 512 else 4,
-    )  # fmt: skip
+    )
     return {**constants, "PARTITION_SIZE": PARTITION_SIZE} if split_k else constants
 
 
 def reduce_constants(head_dim: int, has_window: bool) -> dict:
     """The constexprs of split-K's reduce kernel."""
     return dict(HEAD_DIM=head_dim, HAS_WINDOW=has_window, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                PARTITION_SIZE=PARTITION_SIZE)  # fmt: skip
+                PARTITION_SIZE=PARTITION_SIZE)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -379,7 +379,7 @@ def paged_decode(
     check_int(block_tables, "block_tables", (batch_size, None))
     check_int(context_lens, "context_lens", (batch_size,))
     check_devices(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                  context_lens=context_lens)  # fmt: skip
+                  context_lens=context_lens)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if out is None:
@@ -407,7 +407,7 @@ def paged_decode(
         paged_decode_kernel[(batch_size, num_kv_heads)](
             out, query, key_cache, value_cache, kv_scales, block_tables, context_lens, scale_log2e, window,
             out.stride(0), out.stride(1), query.stride(0), query.stride(1), *cache_strides, **constants,
-        )  # fmt: skip
+        )
         return out
 
     num_partitions = triton.cdiv(max_context_len, PARTITION_SIZE)
@@ -419,9 +419,9 @@ def paged_decode(
         partial_max, partial_sum, partial_out, query, key_cache, value_cache, kv_scales, block_tables, context_lens,
         scale_log2e, window, query.stride(0), query.stride(1), *cache_strides,
         **decode_constants(query.dtype, group, head_dim, block_size, has_window, split_k=True, kv_fp8=kv_fp8),
-    )  # fmt: skip
+    )
     paged_decode_reduce_kernel[(batch_size, num_q_heads)](
         out, partial_max, partial_sum, partial_out, context_lens, window, num_partitions,
         out.stride(0), out.stride(1), **reduce_constants(head_dim, has_window),
-    )  # fmt: skip
+    )
     return out

@@ -45,7 +45,7 @@ def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
 
 def prefill_constants(
     dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool, kv_fp8: bool = False
-) -> dict:  # fmt: skip
+) -> dict:
     """The constexprs (and warps) the wrapper picks for `paged_prefill_kernel`: BLOCK_G and BLOCK_D padded as in
     decode, the tile from `tile_sizes`, BLOCK_Q = query tokens per tile (BLOCK_M // BLOCK_G, at least 1). Also what
     `pagedlab.kernels.aot_grid` compiles for GPU targets."""
@@ -54,7 +54,7 @@ def prefill_constants(
     block_m, block_n, num_warps = tile_sizes(dtype, block_d)
     return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window, BLOCK_G=block_g,
                 BLOCK_Q=max(1, block_m // block_g), BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_in_fp32(dtype),
-                KV_FP8=kv_fp8, num_warps=num_warps)  # fmt: skip
+                KV_FP8=kv_fp8, num_warps=num_warps)
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def paged_prefill_kernel(
             key_cache_ptr, value_cache_ptr, block_table_ptr, tile_start, first_pos, end_pos, kv_head,
             stride_cache_block, stride_cache_slot, stride_cache_head, k_scale, v_scale,
             HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_FP32, KV_FP8,
-        )  # fmt: skip
+        )
         key, value = key.to(query.dtype), value.to(query.dtype)  # a no-op but for a float8 cache
         visible = valid[None, :] & (key_pos[None, :] <= query_pos[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_WINDOW:
@@ -152,7 +152,7 @@ def paged_prefill(
     check_int(query_start_loc, "query_start_loc", (num_seqs + 1,))
     check_int(block_tables, "block_tables", (num_seqs, None))
     check_devices(query=query, key_cache=key_cache, value_cache=value_cache, query_start_loc=query_start_loc,
-                  num_context=num_context, block_tables=block_tables)  # fmt: skip
+                  num_context=num_context, block_tables=block_tables)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if out is None:
@@ -170,7 +170,7 @@ def paged_prefill(
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     constants = prefill_constants(query.dtype, num_q_heads // num_kv_heads, head_dim, block_size,
-                                  sliding_window is not None, kv_fp8)  # fmt: skip
+                                  sliding_window is not None, kv_fp8)
     scale = head_dim**-0.5 if scale is None else scale
     grid = (triton.cdiv(max_num_new, constants["BLOCK_Q"]), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
@@ -179,5 +179,5 @@ def paged_prefill(
         scale * math.log2(math.e), sliding_window or 0,  # the window is ignored unless HAS_WINDOW
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), **constants,
-    )  # fmt: skip
+    )
     return out

@@ -45,13 +45,13 @@ def store_kv_constants(num_kv_heads: int, head_dim: int) -> dict:
     """The kernel's constexprs for a cache of num_kv_heads x head_dim: the wrapper's only choice (also what
     `pagedlab.kernels.aot_grid` compiles for GPU targets)."""
     return dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))  # fmt: skip
+                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping,
     kv_scales: torch.Tensor | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """key/value [num_tokens, kv_heads, head_dim] -> their slots of key_cache/value_cache (in place). A float8
     cache gets K / kv_scales[0] and V / kv_scales[1], saturated, quantised by torch (Triton 3.9's interpreter
     rounds float32 -> float8 wrongly at binade edges: 120 -> 64) and stored by the kernel as bytes."""
@@ -86,4 +86,4 @@ def store_kv(
     store_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), **store_kv_constants(num_kv_heads, head_dim),
-    )  # fmt: skip
+    )

@@ -75,7 +75,7 @@ def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
             continue
         logprobs = None if c.logprobs is None else (before.logprobs or []) + c.logprobs
         merged.append(dataclasses.replace(c, text=before.text + c.text, token_ids=before.token_ids + c.token_ids,
-                                          logprobs=logprobs))  # fmt: skip
+                                          logprobs=logprobs))
     merged.extend(by_index.values())
     merged.sort(key=lambda c: c.index)
     return dataclasses.replace(new, outputs=merged)
@@ -195,7 +195,7 @@ class AsyncLLM:
         future = asyncio.get_running_loop().run_in_executor(self._executor, self._abort, request_id)
         now = time.monotonic()
         finished = FinishedRequest("abort", len(state.stream.prompt_token_ids or ()), state.num_generation_tokens,
-                                   now - state.arrival, None)  # fmt: skip
+                                   now - state.arrival, None)
         future.add_done_callback(lambda f: self._log(IterationStats(now, now, finished=[finished])))
 
     async def abort(self, request_id: str) -> None:

@@ -63,7 +63,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
                   "preemption_mode", "attention_backend", "tensor_parallel_size", "distributed_timeout",
-                  "kv_cache_dtype", "calculate_kv_scales")  # fmt: skip
+                  "kv_cache_dtype", "calculate_kv_scales")
 
 
 def _engine_kwargs(args) -> dict:
@@ -77,9 +77,9 @@ def _serve_parser(commands) -> None:
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
         description="Serve a model over the OpenAI API with continuous batching. Binds to 127.0.0.1 unless told.",
-    )  # fmt: skip
+    )
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model name, folder or Hub id (default: the embedded SmolLM2)")  # fmt: skip
+                       help="model name, folder or Hub id (default: the embedded SmolLM2)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
@@ -103,14 +103,14 @@ def _serve(args) -> int:
     api_key = args.api_key or os.environ.get("PAGEDLAB_API_KEY") or None
     # A server runs for days: it keeps no record of every step (record_trace is for the chapters).
     engine = LLMEngine.from_pretrained(model, dtype=args.dtype, device=args.device, record_trace=False,
-                                       **_engine_kwargs(args))  # fmt: skip
+                                       **_engine_kwargs(args))
     name = args.served_model_name or model or "smollm2-135m-instruct"
     app = build_app(engine, name, api_key)
     sock = bind_socket(args.host, args.port)  # port 0: a free one, printed below
     host, port = sock.getsockname()[:2]
     print(f"pagedlab serve: {name} on http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "
           f"{engine.stats().num_kv_blocks} KV blocks){'; API key required' if api_key else ''}",
-          file=sys.stderr, flush=True)  # fmt: skip
+          file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
     # this one notes it, so the command exits with 0 after a clean shutdown instead of dying by the signal.
     received: list[int] = []
@@ -140,7 +140,7 @@ def _bench_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", help="run a benchmark workload: print a table, write JSON and PNG plots",
         description="Seeded workloads through pagedlab (and comparators, in the same process).",
-    )  # fmt: skip
+    )
     bench.add_argument("--workload", default="chat", choices=WORKLOADS)
     bench.add_argument("--compare", type=_names, default=(), help=f"comma-separated: {', '.join(COMPARATORS)}")
     bench.add_argument("--num-requests", type=int, default=None, help="default per workload (chat 128)")
@@ -197,7 +197,7 @@ def _bench(args) -> int:
         capacity_reservations=args.capacity_reservations, decode_dtypes=args.decode_dtypes,
         decode_batch_sizes=args.decode_batch_sizes, decode_contexts=args.decode_contexts,
         decode_max_kv_gib=args.decode_max_kv_gib, decode_clock=args.decode_clock, seed=args.seed,
-    )  # fmt: skip
+    )
     print(report.text())
     print(f"[results written to {args.out}/]", file=sys.stderr)
     return 0
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             max_tokens=args.max_tokens,
-        )  # fmt: skip
+        )
         llm = LLM(args.model, dtype=args.dtype, device=args.device, **_engine_kwargs(args))
         start = time.perf_counter()
         tokenizer = llm.get_tokenizer()

@@ -109,7 +109,7 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: method 'draft_model' runs its draft in the engine's own process and "
-                             "does not combine with tensor_parallel_size > 1; use method 'ngram'")  # fmt: skip
+                             "does not combine with tensor_parallel_size > 1; use method 'ngram'")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

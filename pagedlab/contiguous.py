@@ -194,7 +194,7 @@ class ContiguousEngine:
     def __init__(
         self, model, tokenizer=None, *, num_slots: int, max_model_len: int, max_batch_size: int,
         reserve: str = "max_model_len", seed: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         from pagedlab.models import eos_token_ids
         from pagedlab.worker.kv_cache import KVCacheSpec
         from pagedlab.worker.model_runner import ModelRunner
@@ -310,7 +310,7 @@ class ContiguousEngine:
                 work.append(ScheduledRequest(
                     request.request_id, computed, n - computed, request.request_id, tuple(request.token_ids(computed, n)),
                     tuple(range(start, start + n)), (sampling_request(request),),
-                ))  # fmt: skip
+                ))
             sampled = self.model_runner.execute(work).sampled
             num_running.append(len(running))
             for request, _ in running:

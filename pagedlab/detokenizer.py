@@ -28,7 +28,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
         stop: Sequence[str] = (), min_tokens: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)

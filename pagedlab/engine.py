@@ -96,7 +96,7 @@ class LLMEngine:
         self.beam_search.add(BeamGroup(
             request_id, params, self.eos_token_ids, min(params.max_tokens, root.max_tokens), {root.request_id: 0.0},
             {root.request_id: ()}, prompt=text, prompt_token_ids=root.prompt_token_ids,
-        ))  # fmt: skip
+        ))
         return request_id
 
     def _new_request(self, request_id, prompt, params) -> tuple[str, Request, str | None]:
@@ -114,7 +114,7 @@ class LLMEngine:
         request = Request(
             self.scheduler.unique_id(request_id), processed.token_ids, sampling, self._num_arrivals, max_tokens,
             self.eos_token_ids, processed.cache_salt, group_id=request_id, beam_width=beam_width,
-        )  # fmt: skip
+        )
         self._num_arrivals += 1
         return request_id, request, processed.text
 

@@ -88,7 +88,7 @@ class LLM:
             engine.abort_request(request_ids)
             raise
         return [BeamSearchOutput([_beam_sequence(output, c, params) for c in output.outputs])
-                for output in self._run(request_ids, use_tqdm)]  # fmt: skip
+                for output in self._run(request_ids, use_tqdm)]
 
     def chat(
         self,
@@ -106,7 +106,7 @@ class LLM:
             {"prompt_token_ids": _token_ids(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)),
              "prompt": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)}
             for c in conversations
-        ]  # fmt: skip
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> EngineStats:

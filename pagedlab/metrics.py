@@ -64,15 +64,15 @@ class PrometheusStatLogger:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions, by mode (partial: only tail blocks taken).",
-                                       ("mode",))  # fmt: skip
+                                       ("mode",))
         self.swapped_blocks = counter("swapped_blocks", "KV blocks swapped, by direction.", ("direction",))
         self.swapped_bytes = counter("swapped_bytes", "Bytes of KV swapped out and in.")
         self.recomputed_tokens = counter("recomputed_tokens", "Computed tokens dropped by recompute preemptions.")
         self.request_success = counter("request_success", "Finished requests, by finish reason of their first sample.",
-                                       ("finished_reason",))  # fmt: skip
+                                       ("finished_reason",))
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Between a request's token steps.",
-                                             _ITL_BUCKETS)  # fmt: skip
+                                             _ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.request_queue_time = histogram(
             "request_queue_time_seconds",

@@ -86,7 +86,7 @@ def drive(engine, events: Sequence[Event]) -> dict:
 def replay(
     config: EngineConfig, events: Sequence[Event], num_blocks: int, num_cpu_blocks: int = 0,
     cost_model: PreemptionCostModel | None = None, num_trace_steps: int | None = None,
-) -> Trace:  # fmt: skip
+) -> Trace:
     """The trace an engine with `config` (its `max_model_len` resolved), `num_blocks` device blocks and
     `num_cpu_blocks` CPU blocks would record over `events`, computed by the scheduler alone. Every sampled
     token is a new made-up id, so no two sequences ever generate the same block."""
@@ -112,7 +112,7 @@ def replay(
             scheduler.add_request(Request(
                 scheduler.unique_id(event.request_id), list(event.prompt_token_ids), event.params, num_arrivals,
                 max_tokens, cache_salt=event.cache_salt, group_id=event.request_id,
-            ))  # fmt: skip
+            ))
             num_arrivals += 1
         if not pending and not scheduler.has_unfinished_requests():
             return trace
@@ -127,7 +127,7 @@ def replay_engine(engine, events: Sequence[Event]) -> Trace:
     """`replay` with the engine's own settings, pool sizes and measured cost model."""
     worker = engine.worker
     return replay(engine.config, events, worker.num_blocks, worker.num_cpu_blocks, worker.cost_model,
-                  engine.trace.max_steps)  # fmt: skip
+                  engine.trace.max_steps)
 
 
 def schedule_of(record: StepRecord) -> StepRecord:

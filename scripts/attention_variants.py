@@ -152,7 +152,7 @@ def flex(tables, lens, block_size):
 
     num_kv_blocks = torch.tensor([len(t) for t in tables], dtype=torch.int32).view(1, 1, batch)
     block_mask = BlockMask.from_kv_blocks(num_kv_blocks, kv_indices, BLOCK_SIZE=(1, block_size), mask_mod=mask_mod,
-                                          seq_lengths=(batch, num_cache_blocks * block_size))  # fmt: skip
+                                          seq_lengths=(batch, num_cache_blocks * block_size))
 
     def attend(q, kc, vc, scale):
         hk, d = kc.shape[2:]
@@ -180,7 +180,7 @@ def bucket_gqa(tables, lens, block_size):
             k = _gather(kc, b.block_tables).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
             v = _gather(vc, b.block_tables).transpose(1, 2)
             o = F.scaled_dot_product_attention(q[b.start : b.end, :, None], k, v, attn_mask=b.mask, scale=scale,
-                                               enable_gqa=True)  # fmt: skip
+                                               enable_gqa=True)
             out[b.start : b.end] = o[:, :, 0]
         return out[inverse]
 

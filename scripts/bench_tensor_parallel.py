@@ -27,7 +27,7 @@ from pagedlab.worker.tensor_parallel import tensor_parallel_cost
 GPU_EXAMPLE = dict(  # Llama-3-8B's shapes (no weights needed for arithmetic)
     hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
     vocab_size=128256, tie_word_embeddings=False,
-)  # fmt: skip
+)
 
 
 def random_llama(folder: str) -> str:
@@ -35,7 +35,7 @@ def random_llama(folder: str) -> str:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)  # fmt: skip
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = None if args.model == "smollm2" else args.model or random_llama(tempfile.mkdtemp())
     config = dict(block_size=16, num_kv_blocks=(args.prompt_len + args.max_tokens) // 16 * args.num_requests + 16,
-                  preemption_mode="recompute", dtype="float32")  # fmt: skip
+                  preemption_mode="recompute", dtype="float32")
     engines = {n: LLMEngine.from_pretrained(model, tensor_parallel_size=n, **config) for n in args.sizes}
     generator = torch.Generator().manual_seed(0)
     vocab = engines[args.sizes[0]].model.config.vocab_size
@@ -85,14 +85,14 @@ def main() -> None:
             if n > 1:
                 stats = engine.worker.collective_rpc("collective_stats", True)[0]
                 reduce_per_step[n].append((stats.all_reduce_s / len(times), stats.num_all_reduce / len(times),
-                                           stats.all_reduce_bytes / len(times)))  # fmt: skip
+                                           stats.all_reduce_bytes / len(times)))
     hf_config = engines[args.sizes[0]].model.config
     print(f"model: {hf_config.num_hidden_layers} layers, hidden {hf_config.hidden_size}, "
           f"{hf_config.num_attention_heads}/{hf_config.num_key_value_heads} heads, vocab {hf_config.vocab_size}; "
           f"{args.num_requests} requests x {args.prompt_len} prompt + {args.max_tokens} tokens, float32, "
-          f"{args.threads} threads in all; medians of {args.repeats} rounds")  # fmt: skip
+          f"{args.threads} threads in all; medians of {args.repeats} rounds")
     print(f"{'size':>4} {'step ms':>9} {'all-reduce ms/step':>19} {'share':>6} {'all-reduces/step':>17} "
-          f"{'KiB reduced/step':>17} {'KV MiB/rank':>12} {'same tokens':>12}")  # fmt: skip
+          f"{'KiB reduced/step':>17} {'KV MiB/rank':>12} {'same tokens':>12}")
     first = args.sizes[0]
     for n, engine in engines.items():
         step_ms = 1e3 * statistics.median(step_times[n])
@@ -103,7 +103,7 @@ def main() -> None:
             seconds = count = nbytes = 0.0
             kv = engine.worker.model_runner.kv_cache.nbytes
         print(f"{n:>4} {step_ms:>9.1f} {1e3 * seconds:>19.1f} {100 * seconds * 1e3 / step_ms:>5.0f}% {count:>17.0f} "
-              f"{nbytes / 1024:>17.0f} {kv / 2**20:>12.1f} {str(results[n] == results[first]):>12}")  # fmt: skip
+              f"{nbytes / 1024:>17.0f} {kv / 2**20:>12.1f} {str(results[n] == results[first]):>12}")
     for engine in engines.values():
         engine.shutdown()
 
@@ -112,13 +112,13 @@ def main() -> None:
     paper = LlamaConfig(**GPU_EXAMPLE)
     print("\nOn paper, Llama-3-8B in bfloat16 (2 bytes a value):")
     print(f"{'size':>4} {'weights GiB/rank':>17} {'KV KiB/token/rank':>18} {'all-reduces/step':>17} "
-          f"{'KiB/token reduced':>18} {'KiB/token sent (ring)':>22}")  # fmt: skip
+          f"{'KiB/token reduced':>18} {'KiB/token sent (ring)':>22}")
     for n in (1, 2, 4, 8):
         c = tensor_parallel_cost(paper, n)
         print(f"{n:>4} {c.weight_bytes_per_rank / 2**30:>17.2f} {c.kv_bytes_per_token_per_rank / 1024:>18.0f} "
               f"{c.num_all_reduce_per_step if n > 1 else 0:>17} "
               f"{c.all_reduce_bytes_per_token / 1024 if n > 1 else 0:>18.0f} "
-              f"{c.ring_bytes_sent_per_token / 1024:>22.0f}")  # fmt: skip
+              f"{c.ring_bytes_sent_per_token / 1024:>22.0f}")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def benchmark(device_name: str = "cuda") -> list[str]:
             sdpa_us = gpu_time_us(sdpa)
             kernel_us = split_us if auto else v1_us
             num_bytes = (2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V
-                         + 2 * query.numel() * dtype.itemsize + block_tables.numel() * 4)  # fmt: skip
+                         + 2 * query.numel() * dtype.itemsize + block_tables.numel() * 4)
             bandwidth = num_bytes / (kernel_us / 1e6)
             line = (
                 f"| {batch:5d} | {context:7d} | {'split-K' if auto else 'v1':7s} | {kernel_us:9.1f} "
@@ -191,7 +191,7 @@ def engine_benchmark(num_prompts: int = 64, max_tokens: int = 128) -> list[str]:
     rng = random.Random(0)
     vocab = model.get_input_embeddings().num_embeddings
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(20, 400))]}
-               for _ in range(num_prompts)]  # fmt: skip
+               for _ in range(num_prompts)]
     results, tokens = {}, {}
     for name, options in (("pagedlab (CUDA graphs)", None), ("pagedlab (enforce_eager)", {"enforce_eager": True})):
         if options is not None:
@@ -220,7 +220,7 @@ def engine_benchmark(num_prompts: int = 64, max_tokens: int = 128) -> list[str]:
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens, do_sample=False,
-                   min_new_tokens=max_tokens, pad_token_id=pad)  # fmt: skip
+                   min_new_tokens=max_tokens, pad_token_id=pad)
     torch.cuda.synchronize()
     results["HF generate (one static batch)"] = time.perf_counter() - start
 

@@ -31,7 +31,7 @@ from pagedlab.models import load_model  # noqa: E402
 from pagedlab.worker.kv_cache import GiB, KVCacheSpec  # noqa: E402
 
 CAPACITY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CANDIDATES = [("fp8_e4m3", False), ("fp8_e4m3", True), ("fp8_e5m2", False), ("fp8_e5m2", True)]
 
 
@@ -45,7 +45,7 @@ def capacity_table(model, tokenizer, budget_mib: int, block_size: int = 16) -> N
         slots = budget_mib * 2**20 // spec.bytes_per_block(block_size) * block_size
         running = paged_concurrency(lengths, slots, block_size)
         print(f"| {name} | {spec.bytes_per_token} | {GiB // spec.bytes_per_token:,} | "
-              f"{running.peak} / {running.mean_saturated:.1f} |")  # fmt: skip
+              f"{running.peak} / {running.mean_saturated:.1f} |")
     print(f"\n({workload.description}; block size {block_size}; bookkeeping through the real scheduler)\n")
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     reference_tokens = pagedlab_greedy(reference, prompts, args.max_tokens)
     reference_logprobs = list(teacher_forced(reference, text_ids))  # [256, vocab] float32 per chunk
     print(f"| KV cache | scales | perplexity | mean KL (nats) | max KL | argmax agrees | greedy: identical | "
-          f"greedy: tokens before divergence |")  # fmt: skip
+          f"greedy: tokens before divergence |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name, calculate in CANDIDATES:
@@ -78,16 +78,16 @@ def main() -> None:
         agreement = Agreement.measure(reference_tokens, pagedlab_greedy(llm, prompts, args.max_tokens))
         if not rows:
             print(f"| float32 | - | {text.reference_perplexity:.3f} | 0 | 0 | 100% | "
-                  f"{len(prompts)}/{len(prompts)} | 100% |")  # fmt: skip
+                  f"{len(prompts)}/{len(prompts)} | 100% |")
         rows.append(name)
         print(f"| {name} | {'first batch' if calculate else '1.0'} | {text.candidate_perplexity:.3f} | "
               f"{text.mean_kl:.2e} | {text.max_kl:.2e} | {100 * text.argmax_agreement:.1f}% | "
               f"{agreement.num_identical}/{agreement.num_prompts} | {100 * agreement.fraction:.1f}% |",
-              flush=True)  # fmt: skip
+              flush=True)
         print(f"  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     print(f"\n(SmolLM2-135M-Instruct, float32 weights, CPU; perplexity over {text.num_tokens} tokens of "
           f"pydoc_data's English in prefill chunks of 256; greedy over {len(prompts)} chat prompts x up to "
-          f"{args.max_tokens} tokens, against the float32 cache)")  # fmt: skip
+          f"{args.max_tokens} tokens, against the float32 cache)")
 
 
 if __name__ == "__main__":

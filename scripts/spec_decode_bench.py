@@ -36,7 +36,7 @@ QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a KV cache is in one sentence.",
     "List three prime numbers.", "How many legs does a spider have?", "Translate 'good morning' into Spanish.",
     "What is 12 times 12?", "Give me a synonym for 'happy'.",
-]  # fmt: skip
+]
 
 
 def typos(text: str, rng: random.Random, rate: float = 0.08) -> str:
@@ -99,7 +99,7 @@ def main() -> None:
     specs = configs(model, args.configs)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print(f"SmolLM2-135M-Instruct float32, {torch.get_num_threads()} torch thread(s), greedy, max_tokens "
-          f"{args.max_tokens}, median of {args.rounds} interleaved rounds\n")  # fmt: skip
+          f"{args.max_tokens}, median of {args.rounds} interleaved rounds\n")
     print("| workload | batch | config | output tok/s | range | speed-up | acceptance | mean accepted length | steps "
           "| same_tokens |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -128,7 +128,7 @@ def main() -> None:
                 speedup = f"{base / median:.2f}x" if base else "-"
                 rate = f"{num_tokens / median:.1f} | {min(rates):.0f}-{max(rates):.0f}"
                 print(f"| {name} | {batch} | {config} | {rate} | "
-                      f"{speedup} | {accept} | {length} | {steps} | {same} |", flush=True)  # fmt: skip
+                      f"{speedup} | {accept} | {length} | {steps} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

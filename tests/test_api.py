@@ -28,7 +28,7 @@ def tokens(outputs):
 def test_outputs_come_back_in_prompt_order(tiny_llm):
     prompts = random_prompts([30, 2, 11])
     outputs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], [
-        SamplingParams(temperature=0, max_tokens=n) for n in (2, 9, 5)], use_tqdm=False)  # fmt: skip
+        SamplingParams(temperature=0, max_tokens=n) for n in (2, 9, 5)], use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
     assert [len(t) for t in tokens(outputs)] == [2, 9, 5]
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
@@ -49,7 +49,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm):
     alone = tokens(tiny_llm.generate(prompt, params, use_tqdm=False))
     others = [{"prompt_token_ids": p} for p in random_prompts([3, 20, 9], seed=7)]
     batch = tiny_llm.generate(others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0, max_tokens=20)] * 2
-                              + [params] + [SamplingParams(temperature=0.7, max_tokens=5)], use_tqdm=False)  # fmt: skip
+                              + [params] + [SamplingParams(temperature=0.7, max_tokens=5)], use_tqdm=False)
     assert tokens(batch)[2] == alone[0]
     other_seed = tokens(tiny_llm.generate(prompt, SamplingParams(temperature=1.0, seed=99, max_tokens=12), use_tqdm=False))
     assert other_seed != alone
@@ -65,7 +65,7 @@ def test_top_k_1_is_greedy_and_min_tokens_holds_off_stops(tiny_llm):
     assert stopped[0].outputs[0].token_ids == greedy[:1]
     assert stopped[0].outputs[0].finish_reason == "stop" and stopped[0].outputs[0].stop_reason == greedy[0]
     held = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=3,
-                                                    stop_token_ids=[greedy[0]]), use_tqdm=False)  # fmt: skip
+                                                    stop_token_ids=[greedy[0]]), use_tqdm=False)
     assert len(held[0].outputs[0].token_ids) >= 3 and greedy[0] not in held[0].outputs[0].token_ids[:3]
 
 
@@ -99,7 +99,7 @@ def test_step_engine_streams_and_aborts():
     engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=64))
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5))
     engine.add_request("b", {"prompt_token_ids": [4, 5]}, SamplingParams(
-        temperature=0, max_tokens=5, output_kind=RequestOutputKind.DELTA))  # fmt: skip
+        temperature=0, max_tokens=5, output_kind=RequestOutputKind.DELTA))
     engine.add_request("c", {"prompt_token_ids": [6]}, SamplingParams(temperature=0, max_tokens=50))
     seen = {"a": [], "b": []}
     steps = 0
@@ -142,7 +142,7 @@ def test_stats_and_kv_budget():
 
 def test_chat_and_text(smol_llm):
     out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                        SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]  # fmt: skip
+                        SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     assert out.outputs[0].text == "The capital of France is Paris."
     assert out.outputs[0].finish_reason == "stop"  # <|im_end|> is the model's EOS
     assert out.prompt.startswith("<|im_start|>system")

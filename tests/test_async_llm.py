@@ -72,7 +72,7 @@ class FakeEngine:
         n = len(self.requests)
         return EngineStats(num_kv_blocks=16, num_used_blocks=n, peak_used_blocks=n, block_size=16, num_running=n,
                            num_waiting=0, num_steps=self.num_steps, num_computed_tokens=0, num_generated_tokens=0,
-                           num_finished=0, num_preemptions=0, prefix_cache_queries=10 * self.num_steps)  # fmt: skip
+                           num_finished=0, num_preemptions=0, prefix_cache_queries=10 * self.num_steps)
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -140,12 +140,12 @@ def test_a_slow_reader_gets_fewer_merged_deltas_with_every_token():
 def test_merge_deltas_joins_text_tokens_and_logprobs_and_keeps_the_newer_finish():
     a = RequestOutput("r", None, [1], [CompletionOutput(0, "a", [1], None, logprobs=[{1: -1.0}])], False)
     b = RequestOutput("r", None, [1], [CompletionOutput(0, "b", [2], "stop", "x", logprobs=[{2: -2.0}]),
-                                       CompletionOutput(1, "c", [3], None)], True)  # fmt: skip
+                                       CompletionOutput(1, "c", [3], None)], True)
     merged = merge_deltas(a, b)
     assert merged.finished and [c.index for c in merged.outputs] == [0, 1]
     first = merged.outputs[0]
     assert (first.text, first.token_ids, first.logprobs, first.finish_reason) == ("ab", [1, 2], [{1: -1.0}, {2: -2.0}],
-                                                                                   "stop")  # fmt: skip
+                                                                                   "stop")
 
 
 def test_leaving_early_aborts_the_request_before_the_next_step():

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
 @pytest.fixture
 def engine():
     return LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=48,
-                                                      max_num_batched_tokens=32))  # fmt: skip
+                                                      max_num_batched_tokens=32))
 
 
 def assert_still_serves(engine: LLMEngine) -> None:

@@ -15,7 +15,7 @@ def hf_beams(model, prompt, k, max_tokens, early_stopping=False, length_penalty=
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k,
                              do_sample=False, max_new_tokens=max_tokens, early_stopping=early_stopping,
-                             length_penalty=length_penalty, pad_token_id=0)  # fmt: skip
+                             length_penalty=length_penalty, pad_token_id=0)
     eos = model.generation_config.eos_token_id
     beams = []
     for row in out:
@@ -117,7 +117,7 @@ def test_beam_search_survives_preemption(model):
     "kwargs, field",
     [(dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
      (dict(beam_width=2, max_tokens=4, early_stopping="soon"), "early_stopping")],
-)  # fmt: skip
+)
 def test_invalid_beam_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}"):
         BeamSearchParams(**kwargs)

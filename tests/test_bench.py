@@ -19,7 +19,7 @@ TINY = dict(
     max_num_batched_tokens=256, prefix_len=48, prefix_max_tokens=3, sharing_prompt_len=20, sharing_max_tokens=4,
     sharing_n=3, beam_width=2, request_rates=(100.0,), overhead_sizes=(8, 16), overhead_real_sizes=(8,), scale=0.03,
     decode_probe_mib=16,
-)  # fmt: skip
+)
 
 
 def _run(workload: str, **options):
@@ -59,7 +59,7 @@ def test_chat_with_every_comparator_and_sweep(tmp_path):
         assert 0 <= row["same_tokens"] <= 1 and row["vs_pagedlab"].replace("tie (", "").rstrip(")").endswith("x")
     paths = report.save(tmp_path)
     assert {p.name for p in paths} >= {"chat.json", "chat.txt", "chat_throughput.png", "chat_kv_utilization.png",
-                                       "chat_sweep_max_num_seqs.png"}  # fmt: skip
+                                       "chat_sweep_max_num_seqs.png"}
     saved = json.loads((tmp_path / "chat.json").read_text())
     assert saved["machine"]["threads"] >= 1 and saved["tables"]["chat"]["columns"] == list(suites.COLUMNS["chat"])
 
@@ -133,11 +133,11 @@ def test_capacity():
 
 def test_decode_reports_attention_against_the_memory():
     report = _run("decode", decode_dtypes=("float32", "bfloat16"), decode_batch_sizes=(2,), decode_contexts=(8, 40),
-                  repeats=2)  # fmt: skip
+                  repeats=2)
     _check_tables(report, ["decode"])
     rows = report.tables["decode"].rows
     assert [(r["dtype"], r["context"]) for r in rows] == [("float32", 8), ("float32", 40), ("bfloat16", 8),
-                                                         ("bfloat16", 40)]  # fmt: skip
+                                                         ("bfloat16", 40)]
     config = tiny_model().config
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
         config.hidden_size // config.num_attention_heads) * 4  # float32 bytes per token, K and V, every layer
@@ -163,7 +163,7 @@ def test_decode_step_kernel_and_torch_path_agree():
             context = PagedAttentionContext(step.metadata, step.kv_cache.clone(), "torch")
             with switch, attention_implementation(model, ATTENTION_NAME):
                 logits.append(model(input_ids=step.input_ids[None], position_ids=step.positions[None],
-                                    use_cache=False, pagedlab_context=context).logits)  # fmt: skip
+                                    use_cache=False, pagedlab_context=context).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
@@ -198,7 +198,7 @@ def test_cli_bench_writes_json_and_table(tmp_path, capsys):
     tiny_model().save_pretrained(tmp_path / "model")  # a folder without a tokenizer: token-id prompts
     out = tmp_path / "out"
     argv = ["bench", "--workload", "overhead", "--model", str(tmp_path / "model"), "--overhead-sizes", "8",
-            "--out", str(out), "--no-progress"]  # fmt: skip
+            "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     assert "scheduler_ms_per_step" in capsys.readouterr().out
     assert json.loads((out / "overhead.json").read_text())["tables"]["overhead"]["rows"][0]["num_seqs"] == 8

@@ -124,7 +124,7 @@ def model():
     config = LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
-    )  # fmt: skip
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -139,7 +139,7 @@ def hf_greedy(model, prompt, max_new_tokens, eos_token_id):
     out = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
         eos_token_id=eos_token_id, pad_token_id=0,
-    )  # fmt: skip
+    )
     return out[0, len(prompt) :].tolist()
 
 

@@ -74,7 +74,7 @@ def test_beam_search_under_recompute_finishes_with_the_roomy_result(model, case)
     for i, expected in enumerate(roomy):
         completions = finished[f"b{i}"].outputs
         assert [c.token_ids for c in completions] == [s.tokens[len(prompts[i]["prompt_token_ids"]):]
-                                                      for s in expected.sequences]  # fmt: skip
+                                                      for s in expected.sequences]
 
 
 def test_recompute_restarts_a_beam_search_and_reaches_the_same_beams(model):
@@ -137,7 +137,7 @@ def test_copy_source_is_not_reallocated_before_the_copy_runs():
 def test_beam_group_counts_as_beam_width_sequences(model):
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=128, max_num_seqs=5))
     engine.add_beam_request("beams", {"prompt_token_ids": random_prompts([6])[0]},
-                            BeamSearchParams(beam_width=4, max_tokens=6))  # fmt: skip
+                            BeamSearchParams(beam_width=4, max_tokens=6))
     engine.add_request("other", {"prompt_token_ids": random_prompts([3])[0]}, SamplingParams(temperature=0, max_tokens=6))
     drain(engine, max_steps=50)
     together = [r.step for r in engine.trace if {s.request_id for s in r.scheduled} >= {"beams", "other"}]
@@ -263,7 +263,7 @@ def test_streaming_decodes_a_bounded_window_per_token(model):
     engine = LLMEngine(model, tokenizer, EngineConfig(block_size=16, num_kv_blocks=64))
     num_tokens = 400
     stream(engine, random_prompts([4])[0], SamplingParams(temperature=1.0, seed=1, max_tokens=num_tokens,
-                                                          ignore_eos=True))  # fmt: skip
+                                                          ignore_eos=True))
     assert tokenizer.num_decoded_ids < 20 * num_tokens, (
         f"{tokenizer.num_decoded_ids} token ids decoded for {num_tokens} tokens: the stream re-decodes everything"
     )
@@ -289,7 +289,7 @@ def test_multibyte_stream_on_smollm2(smollm2):
 def test_retained_memory_does_not_grow(model, record_trace):
     """Thousands of requests through one engine: what it keeps between the first and the last thousand stays put."""
     engine = LLMEngine(model, None, EngineConfig(block_size=1, num_kv_blocks=96, max_num_seqs=8,
-                                                 enable_prefix_caching=True, record_trace=record_trace))  # fmt: skip
+                                                 enable_prefix_caching=True, record_trace=record_trace))
     params = SamplingParams(temperature=0, max_tokens=3)
     prompts = random_prompts([3, 5, 8, 4] * 125, seed=2)
 
@@ -337,10 +337,10 @@ def test_asking_for_another_dtype_than_the_models_is_an_error():
 def test_swapped_samples_keep_sharing_their_blocks(model):
     """All samples of a group go out together, so the blocks they share are copied once and shared again."""
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=14, num_cpu_blocks=64,
-                                                 preemption_mode="swap"))  # fmt: skip
+                                                 preemption_mode="swap"))
     engine.add_request("old", random_prompts([9])[0], SamplingParams(temperature=0, max_tokens=24))
     engine.add_request("samples", random_prompts([10], seed=3)[0],
-                       SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12))  # fmt: skip
+                       SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12))
     drain(engine, max_steps=200)
     swapped_steps = [r for r in engine.trace if any(rid.startswith("samples") for rid, _ in r.swapped_out)]
     assert swapped_steps, "the case no longer swaps the samples"
@@ -362,7 +362,7 @@ def test_logprobs_are_the_raw_models(model):
     plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=3), use_tqdm=False)[0].outputs[0]
     banned = plain.token_ids[0]
     held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=3, stop_token_ids=[banned],
-                                               min_tokens=2), use_tqdm=False)[0].outputs[0]  # fmt: skip
+                                               min_tokens=2), use_tqdm=False)[0].outputs[0]
     assert held.token_ids[0] != banned
     assert held.logprobs[0][held.token_ids[0]] == pytest.approx(plain.logprobs[0][held.token_ids[0]], abs=1e-5)
     assert held.logprobs[0][banned] == pytest.approx(plain.logprobs[0][banned], abs=1e-5)

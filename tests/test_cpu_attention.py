@@ -54,7 +54,7 @@ def test_kernel_equals_reference(kernel, dtype, sliding_window, block_size, q_he
     metadata = AttentionMetadata(torch.zeros(len(LENS), dtype=torch.long), len(LENS), tables, lens, [])
     expected = decode_attention(query.float(), key_cache.float(), value_cache.float(), metadata, scale, sliding_window)
     got = cpu_attention.paged_decode_cpu(query, key_cache, value_cache, tables, lens, scale, sliding_window,
-                                         module=kernel)  # fmt: skip
+                                         module=kernel)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
@@ -66,7 +66,7 @@ def test_strided_query_and_output_rows(kernel):
     strided = query.transpose(0, 1).contiguous().transpose(0, 1)  # [seqs, heads, dim] with head stride seqs*dim
     out = torch.full((len(LENS) + 3, 9, 64), float("nan"))
     cpu_attention.paged_decode_cpu(strided, key_cache, value_cache, tables, lens, 0.125, None, out[: len(LENS)],
-                                   module=kernel)  # fmt: skip
+                                   module=kernel)
     torch.testing.assert_close(out[: len(LENS)], decode_attention(query, key_cache, value_cache, metadata, 0.125, None))
     assert out[len(LENS) :].isnan().all()  # nothing written past the rows asked for
 
@@ -77,7 +77,7 @@ def test_bad_shapes_are_refused(kernel):
         cpu_attention.paged_decode_cpu(query[:, :8], key_cache, value_cache, tables, lens, 0.1, None, module=kernel)
     with pytest.raises(RuntimeError, match="dtype"):
         cpu_attention.paged_decode_cpu(query, key_cache.double(), value_cache.double(), tables, lens, 0.1, None,
-                                       module=kernel)  # fmt: skip
+                                       module=kernel)
 
 
 def test_build_name_changes_with_the_source(monkeypatch, tmp_path):

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("traces the kernels' launches in Triton's interpreter (on a GPU: scripts/gpu_check.py)",
-                allow_module_level=True)  # fmt: skip
+                allow_module_level=True)
 
 from pagedlab.worker.cuda_graph import EagerGraph  # noqa: E402
 
@@ -118,10 +118,10 @@ def test_decode_graphs_record_no_host_sync_and_no_stale_value(traced_launches):
             trace, out = self.traced()
             if trace.events != self.recorded.events:
                 first = next(i for i, (a, b) in enumerate(zip(trace.events + [None], self.recorded.events + [None]))
-                             if a != b)  # fmt: skip
+                             if a != b)
                 problems.append(f"a replay differs from its recording at event {first} of "
                                 f"{len(self.recorded.events)}:\n{self.recorded.events[first:first + 1]}\n"
-                                f"{trace.events[first:first + 1]}")  # fmt: skip
+                                f"{trace.events[first:first + 1]}")
             replays.append(out.shape[0])
             self.output.copy_(out)
 

@@ -57,9 +57,9 @@ def test_kernels_equal_the_torch_path_on_fp8_blocks(dtype, qdtype):
     query = torch.randn(3, 4, head_dim, generator=generator).to(qdtype)  # tokens 8..10 after 8 cached
     chunk = PrefillChunk(0, 3, 8, torch.tensor([1, 2, 3]))
     expected = prefill_attention(query, key[8:11], value[8:11], key_cache, value_cache, chunk, 0.25, None,
-                                 scales[0], scales[1])  # fmt: skip
+                                 scales[0], scales[1])
     got = paged_prefill(query, key_cache, value_cache, torch.tensor([0, 3]), torch.tensor([8]), tables[:1], 0.25,
-                        kv_scales=scales)  # fmt: skip
+                        kv_scales=scales)
     torch.testing.assert_close(got, expected, **TOL[qdtype])
 
 

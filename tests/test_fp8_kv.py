@@ -180,16 +180,16 @@ def test_prefix_caching_and_copy_on_write_keep_the_fp8_tokens(model):
     # n seeded samples share the prompt's blocks and copy its partial last one: as separate seeded requests
     llm = LLM(model, **config)
     together = llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8),
-                            use_tqdm=False)[0]  # fmt: skip
+                            use_tqdm=False)[0]
     assert any(record.copied for record in llm.llm_engine.trace)  # the partial last prompt block was copied
     separate = [llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8),
-                             use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]  # fmt: skip
+                             use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
     assert [c.token_ids for c in together.outputs] == separate
 
 
 def test_calculated_scales_come_from_the_first_request(model):
     engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype="fp8", calculate_kv_scales=True, num_kv_blocks=64,
-                                                 preemption_mode="auto"))  # fmt: skip
+                                                 preemption_mode="auto"))
     scales: KVScales = engine.worker.model_runner.kv_scales
     assert scales.calculate and not scales.calculated  # the start-up cost model set nothing
     assert (scales.scales == 1).all()

@@ -59,14 +59,14 @@ class EngineMachine(RuleBasedStateMachine):
         num_cpu_blocks=st.integers(0, 24),
     )
     def setup(self, block_size, num_kv_blocks, mode, partial, chunked, prefix_caching, max_num_seqs,
-              max_num_batched_tokens, forced, num_cpu_blocks) -> None:  # fmt: skip
+              max_num_batched_tokens, forced, num_cpu_blocks) -> None:
         self.engine = LLMEngine(MODEL, TOKENIZER, EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, preemption_mode=mode, num_cpu_blocks=num_cpu_blocks,
             enable_partial_preemption=partial, enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, force_preemption_rate=forced,
             max_model_len=min(48, num_kv_blocks * block_size), record_trace=False,
             speculative_config=self.SPECULATIVE_CONFIG,
-        ))  # fmt: skip
+        ))
         self.requests: dict[str, tuple] = {}  # live request id -> (prompt, params)
         self.aborted: set[str] = set()
         self.num_added = 0
@@ -100,7 +100,7 @@ class EngineMachine(RuleBasedStateMachine):
         except ValueError:  # too big for this engine: refused before anything changed
             after = self.engine.stats()
             assert (after.num_waiting, after.num_running, after.num_used_blocks) == (
-                before.num_waiting, before.num_running, before.num_used_blocks)  # fmt: skip
+                before.num_waiting, before.num_running, before.num_used_blocks)
             return
         self.requests[request_id] = (prompt, params)
 
@@ -155,14 +155,14 @@ class EngineMachine(RuleBasedStateMachine):
             assert engine.swap_space.pool.num_used_blocks == 0, "CPU blocks leaked"
         if self.SPECULATIVE_CONFIG:
             event(f"drafts verified: {stats.spec_num_drafts > 0}, some rejected: "
-                  f"{stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens}")  # fmt: skip
+                  f"{stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens}")
 
 
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)  # fmt: skip
+)
 
 
 class SpeculativeEngineMachine(EngineMachine):
@@ -173,4 +173,4 @@ TestSpeculativeEngineMachine = SpeculativeEngineMachine.TestCase
 TestSpeculativeEngineMachine.settings = settings(
     max_examples=25, stateful_step_count=30, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)  # fmt: skip
+)

@@ -65,13 +65,13 @@ from pagedlab.worker.cuda_graph import EagerGraph, capture_sizes  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FULL = torch.cuda.is_available() or os.environ.get("PAGEDLAB_FULL_KERNEL_GRID", "0") not in ("", "0")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-       torch.float16: dict(atol=1.6e-2, rtol=1.6e-2)}  # fmt: skip
+       torch.float16: dict(atol=1.6e-2, rtol=1.6e-2)}
 HEADS = {1: (2, 2), 3: (6, 2), 5: (5, 1), 8: (8, 1)}  # GQA ratio -> (q_heads, kv_heads)
 # a case: (GQA ratio, head_dim, block_size, dtype)
 GRID = list(itertools.product([1, 3, 5], [64, 80], [1, 16, 32], [torch.float32, torch.bfloat16]))
 EXTRA = [  # the full grid's extras: other head dims, block sizes, float16
     (8, 96, 256, torch.float16), (1, 128, 8, torch.float16), (3, 96, 64, torch.bfloat16), (5, 16, 2, torch.float32),
-]  # fmt: skip
+]
 
 
 def case_id(case) -> str:
@@ -196,7 +196,7 @@ def run_prefill(case, chunks, sliding_window=None):
     ratio, head_dim, block_size, dtype = case
     num_q_heads, num_kv_heads = HEADS[ratio]
     key_cache, value_cache, block_tables = paged_cache([c + n for c, n in chunks], block_size, num_kv_heads,
-                                                       head_dim, dtype)  # fmt: skip
+                                                       head_dim, dtype)
     query_start_loc = torch.tensor([0] + list(itertools.accumulate(n for _, n in chunks)), device=DEVICE)
     num_context = torch.tensor([c for c, _ in chunks], device=DEVICE)
     query = random_query(int(query_start_loc[-1]), num_q_heads, head_dim, dtype)
@@ -208,7 +208,7 @@ def run_prefill(case, chunks, sliding_window=None):
 PREFILL_QUICK = [  # every ratio, head dim and block size with each dtype
     (1, 64, 1, torch.float32), (3, 80, 16, torch.float32), (5, 80, 32, torch.float32),
     (1, 80, 32, torch.bfloat16), (3, 64, 1, torch.bfloat16), (5, 64, 16, torch.bfloat16),
-]  # fmt: skip
+]
 # On a GPU each float32 prefill variant takes ~5 s to compile (its exact dot is unrolled on FMA units), so
 # the full grid there keeps only the quick float32 cases.
 PREFILL_FULL = [c for c in GRID if not torch.cuda.is_available() or c[3] != torch.float32 or c in PREFILL_QUICK]
@@ -283,7 +283,7 @@ def test_triton_attention_equals_torch_path(sliding_window):
     kv_cache = torch.randn(1, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(DEVICE)
     slots = torch.cat([ids[torch.arange(c, c + n, device=DEVICE) // block_size] * block_size
                        + torch.arange(c, c + n, device=DEVICE) % block_size
-                       for ids, c, n in zip(block_ids, num_cached, num_new)])  # fmt: skip
+                       for ids, c, n in zip(block_ids, num_cached, num_new)])
     num_tokens = sum(num_new)
     metadata = AttentionMetadata(
         slot_mapping=slots,
@@ -302,16 +302,16 @@ def test_triton_attention_equals_torch_path(sliding_window):
     module = torch.nn.Module()
     module.layer_idx = 0
     expected, _ = paged_attention_forward(module, query, key, value, None, scale, sliding_window=sliding_window,
-                                          pagedlab_context=PagedAttentionContext(metadata, torch_cache))  # fmt: skip
+                                          pagedlab_context=PagedAttentionContext(metadata, torch_cache))
 
     key_cache, value_cache = kv_cache[0]
     out = triton_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                           key_cache, value_cache, metadata, scale, sliding_window)  # fmt: skip
+                           key_cache, value_cache, metadata, scale, sliding_window)
     torch.testing.assert_close(kv_cache, torch_cache, rtol=0, atol=0)
     torch.testing.assert_close(out, expected[0], **TOL[torch.float32])
     # the next layer of the same step writes into the same buffer: nothing is allocated per layer
     again = triton_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                             key_cache, value_cache, metadata, scale, sliding_window)  # fmt: skip
+                             key_cache, value_cache, metadata, scale, sliding_window)
     assert again.data_ptr() == out.data_ptr()
 
 
@@ -325,7 +325,7 @@ def test_wrapper_errors_are_clear():
 
     def decode(**changes):
         args = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                    context_lens=context_lens)  # fmt: skip
+                    context_lens=context_lens)
         return paged_decode(**{**args, **changes})
 
     with pytest.raises(ValueError, match="query has 9 heads, not a multiple of the cache's 2 KV heads"):
@@ -348,7 +348,7 @@ def test_wrapper_errors_are_clear():
         decode(value_cache=value_cache[:, :2])
     with pytest.raises(ValueError, match="query_start_loc must have shape"):
         paged_prefill(query, key_cache, value_cache, torch.tensor([0, 2], device=DEVICE),
-                      torch.tensor([0, 0], device=DEVICE), block_tables)  # fmt: skip
+                      torch.tensor([0, 0], device=DEVICE), block_tables)
     with pytest.raises(ValueError, match="slot_mapping must be an int tensor"):
         store_kv(query[:, :2], query[:, :2], key_cache, value_cache, torch.zeros(2, device=DEVICE))
 

@@ -46,7 +46,7 @@ def test_kernel_compiles_for_the_target(compiled, kernel, arch):
     results = [r for r in compiled if r["kernel"] == kernel and r["arch"] == arch]
     assert results, f"no variant of {kernel} compiled for sm_{arch}"
     failures = [f"{r['case']} -> {r['constants']}: {'; '.join(r['problems'])}\n{r['error'] or ''}"
-                for r in results if r["problems"]]  # fmt: skip
+                for r in results if r["problems"]]
     assert not failures, f"{len(failures)} of {len(results)} variants unfit for sm_{arch}:\n" + "\n".join(failures)
 
 
@@ -107,7 +107,7 @@ def compile_demos() -> dict:
     f32 = pointer(torch.float32)
     args = dict(key_ptr=f32, value_ptr=f32, key_cache_ptr=f32, value_cache_ptr=f32,
                 slot_mapping_ptr=pointer(torch.int64), key_stride_token=64 * 256, key_stride_head=256,
-                value_stride_token=64 * 256, value_stride_head=256)  # fmt: skip
+                value_stride_token=64 * 256, value_stride_head=256)
     spilling = compile_for_target(store_kv_kernel, args, {**store_kv_constants(64, 256), "num_warps": 1}, 80)
     return dict(rejected=rejected, padded=vars(padded), spilling=vars(spilling))
 
@@ -117,7 +117,7 @@ def demos() -> dict:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     code = "import json, tests.test_kernels_compile as t; print(json.dumps(t.compile_demos()))"
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=README.parent, env=env,
-                         capture_output=True, text=True)  # fmt: skip
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -147,7 +147,7 @@ def test_a_spilling_variant_is_reported(demos):
 
 def test_problems_names_each_limit():
     fit = CompileReport("k", 89, shared=99 * 1024, num_warps=4, num_stages=3, registers=255, local_bytes=0,
-                        ptx_local=False, tensor_cores="mma", seconds=0.0)  # fmt: skip
+                        ptx_local=False, tensor_cores="mma", seconds=0.0)
     assert problems(fit, needs_tensor_cores=True) == []
     too_big = CompileReport(**{**vars(fit), "shared": 99 * 1024 + 1, "tensor_cores": ""})
     found = problems(too_big, needs_tensor_cores=True)

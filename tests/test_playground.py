@@ -4,7 +4,7 @@ why, the pool and arena follow the step slider, and readers without a kernel get
 
 from __future__ import annotations
 
-from pagedlab.sim.experiment import Settings, run
+from pagedlab.sim.experiment import Settings
 from pagedlab.viz.playground import nearest_step, playground, render_arena, render_step, summary
 
 SMALL = dict(num_requests=16, request_rate=4.0, kv_slots=4096, output_mean=24, prompt_mean=64)

@@ -76,7 +76,7 @@ def test_chunked_prefill_with_preemption(model, case, budget, mode):
     engine = engine_for(
         model, preemption_mode=mode, enable_chunked_prefill=True, max_num_batched_tokens=budget,
         enable_prefix_caching=budget == 4,
-    )  # fmt: skip
+    )
     assert run_engine(engine, prompts, MAX_TOKENS, "staggered") == expected
     assert engine.stats().num_preemptions > 0 or budget == 1
     assert max(r.num_batched_tokens for r in engine.trace) <= budget
@@ -198,7 +198,7 @@ def test_tail_release_counts_only_unshared_blocks():
 def test_partial_preemption_keeps_tokens(model, case, mode, prefix_caching, chunked):
     prompts, expected = case
     config = dict(preemption_mode=mode, enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked,
-                  max_num_batched_tokens=16 if chunked else 2048)  # fmt: skip
+                  max_num_batched_tokens=16 if chunked else 2048)
     engine = engine_for(model, enable_partial_preemption=True, **config)
     assert run_engine(engine, prompts, MAX_TOKENS, "staggered") == expected
     stats = engine.stats()
@@ -236,7 +236,7 @@ def test_partial_preemption_with_samples_and_beams(model):
 def test_forced_partial_preemption_keeps_tokens_and_counts(model, case, mode):
     prompts, expected = case
     engine = engine_for(model, num_kv_blocks=512, preemption_mode=mode, force_preemption_rate=0.3, seed=3,
-                        enable_partial_preemption=True)  # fmt: skip
+                        enable_partial_preemption=True)
     assert run_engine(engine, prompts, MAX_TOKENS) == expected
     happened = sum(len(record.preempted) for record in engine.trace)
     assert happened >= 5 and engine.stats().num_preemptions == happened
@@ -251,7 +251,7 @@ def test_abort_anywhere_frees_blocks_at_once(model):
     """Abort one request in each place it can be (waiting, mid-prefill, decoding, swapped out): its blocks on
     the device and in the CPU pool are free right after the call, and the others run to the end."""
     engine = engine_for(model, num_kv_blocks=24, preemption_mode="swap", enable_chunked_prefill=True,
-                        max_num_batched_tokens=8)  # fmt: skip
+                        max_num_batched_tokens=8)
     params = SamplingParams(temperature=0, max_tokens=30)
     for i in range(10):
         engine.add_request(f"r{i}", {"prompt_token_ids": random_prompts([20 + i], seed=i)[0]}, params)
@@ -349,7 +349,7 @@ def test_load_thousands_of_requests_with_aborts(model, mode):
         EngineConfig(block_size=4, num_kv_blocks=40, num_cpu_blocks=24, max_num_seqs=32, max_num_batched_tokens=64,
                      preemption_mode="auto" if mode == "partial" else mode, enable_partial_preemption=mode == "partial",
                      enable_chunked_prefill=mode != "recompute", max_model_len=max_model_len, record_trace=False),
-    )  # fmt: skip
+    )
     num_requests, arrivals_per_step = 2000, 4
     pending = list(range(num_requests))
     to_abort = set(rng.sample(pending, num_requests // 10))
@@ -366,7 +366,7 @@ def test_load_thousands_of_requests_with_aborts(model, mode):
             else:
                 n = 2 if kind < 0.15 else 1
                 params = SamplingParams(n=n, temperature=rng.choice([0, 0.8]) if n == 1 else 0.8,
-                                        max_tokens=rng.randint(1, 24), seed=i)  # fmt: skip
+                                        max_tokens=rng.randint(1, 24), seed=i)
                 engine.add_request(f"q{i}", {"prompt_token_ids": prompt}, params)
             added_at[f"q{i}"] = step
         live = [rid for rid in added_at if rid not in done]

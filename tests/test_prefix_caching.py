@@ -80,7 +80,7 @@ def test_cache_salt_separates_equal_prompts(model):
     params = SamplingParams(temperature=0, max_tokens=2)
     for salt in ["alice", "bob", "alice"]:
         engine.add_request(salt + str(engine.stats().num_finished), {"prompt_token_ids": prompt, "cache_salt": salt},
-                           params)  # fmt: skip
+                           params)
         while engine.has_unfinished_requests():
             engine.step()
     assert engine.stats().prefix_cache_hits == 4 * 4  # only the second "alice" hits (4 of its 5 blocks)

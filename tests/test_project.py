@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 import tomllib
@@ -103,7 +102,7 @@ def test_test_fast_filters_markers_that_exist_and_are_used():
     expression = re.search(r'test-fast:.*?-m "([^"]+)"', makefile, re.S).group(1)
     names = set(re.findall(r"\b(?!not\b|and\b|or\b)(\w+)", expression))
     declared = {line.split(":")[0].strip().strip('"') for line in tomllib.loads(
-        (ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}  # fmt: skip
+        (ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
     sources = "".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
     for name in names:
         assert name in declared, f"marker {name!r} is not declared in pyproject.toml"

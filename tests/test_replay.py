@@ -19,7 +19,7 @@ SETTINGS = {
     "chunked, prefix caching": dict(preemption_mode="recompute", enable_chunked_prefill=True,
                                     max_num_batched_tokens=24, enable_prefix_caching=True),
     "forced, swap, prefix": dict(preemption_mode="swap", force_preemption_rate=0.3, enable_prefix_caching=True),
-}  # fmt: skip
+}
 
 
 def events() -> list:

@@ -42,7 +42,7 @@ def machine_settings(max_examples: int, steps: int = 50) -> settings:
     return settings(
         max_examples=max_examples, stateful_step_count=steps, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )  # fmt: skip
+    )
 
 
 @st.composite
@@ -65,7 +65,7 @@ def setups(draw, swap: bool, chunked=st.booleans()):
         max_num_seqs=draw(st.integers(1, 8), "max_num_seqs"), max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=draw(chunked, "chunked"), preemption_mode=mode,
         enable_partial_preemption=draw(st.booleans(), "partial"), force_preemption_rate=forced,
-    )  # fmt: skip
+    )
     return config, num_cpu_blocks
 
 
@@ -118,7 +118,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             params = SamplingParams(temperature=0, max_tokens=max_tokens if kind == "single" else None)
         request = Request(group_id, prompt, params, self.num_arrivals, max_tokens, frozenset({EOS}),
-                          beam_width=width if kind == "beams" else 0)  # fmt: skip
+                          beam_width=width if kind == "beams" else 0)
         self.num_arrivals += 1
         self.scheduler.add_request(request)
         self.tokens[group_id], self.num_prompt[group_id], self.group_of[group_id] = list(prompt), prompt_len, group_id
@@ -228,7 +228,6 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         # The block moves, in the worker's order, on the shadow KV.
         new_blocks = {b for _, blocks in out.allocated for b in blocks}
-        swap_targets = {device for _, pairs in out.swapped_in for _, device in pairs}
         for _, source, copy in out.copies:
             event("copy-on-write")
             assert source not in new_blocks, f"copy source {source} was handed out in the same step"

@@ -32,7 +32,7 @@ from tests.test_async_llm import FAIL_TOKEN, FakeEngine
 
 MODEL = "smollm2"
 ENGINE = dict(preemption_mode="recompute", num_kv_blocks=1024, max_model_len=512, max_num_seqs=256,
-              record_trace=False)  # fmt: skip
+              record_trace=False)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -64,7 +64,7 @@ def _metrics(server) -> dict[str, float]:
 
 def test_completion_streamed_and_not_equals_llm_generate(client, reference):
     expected = reference.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12),
-                                  use_tqdm=False)[0].outputs[0]  # fmt: skip
+                                  use_tqdm=False)[0].outputs[0]
     full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
     assert full.choices[0].text == expected.text and full.choices[0].finish_reason == expected.finish_reason
     assert full.usage.prompt_tokens == 5 and full.usage.completion_tokens == len(expected.token_ids)
@@ -85,7 +85,7 @@ def test_chat_streamed_and_not_equals_llm_chat(client, reference):
     assert full.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert full.usage.completion_tokens == len(expected.outputs[0].token_ids)
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
-                                                 stream=True))  # fmt: skip
+                                                 stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -100,7 +100,7 @@ def test_streamed_multibyte_text_equals_the_full_text(client, reference):
     full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=17)
     assert full.choices[0].message.content == expected.text
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=17,
-                                                 stream=True))  # fmt: skip
+                                                 stream=True))
     deltas = [c.choices[0].delta.content or "" for c in chunks]
     assert "".join(deltas) == expected.text
     assert all("\ufffd" not in delta for delta in deltas)  # no half character is ever sent
@@ -110,9 +110,9 @@ def test_n_samples_with_a_seed_equal_llm_generate_and_repeat(client, reference):
     params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=8)
     expected = [c.text for c in reference.generate("Once upon a time", params, use_tqdm=False)[0].outputs]
     first = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, seed=7, temperature=0.8,
-                                      max_tokens=8)  # fmt: skip
+                                      max_tokens=8)
     again = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, seed=7, temperature=0.8,
-                                      max_tokens=8)  # fmt: skip
+                                      max_tokens=8)
     assert [c.index for c in first.choices] == [0, 1]
     assert [c.text for c in first.choices] == [c.text for c in again.choices] == expected
     assert expected[0] != expected[1]
@@ -122,24 +122,24 @@ def test_n_samples_with_a_seed_equal_llm_generate_and_repeat(client, reference):
 def test_several_prompts_give_n_choices_each_in_order(client, reference):
     expected = [o.outputs[0].text for o in reference.generate(["One, two,", "Red, green,"],
                                                               SamplingParams(temperature=0, max_tokens=4),
-                                                              use_tqdm=False)]  # fmt: skip
+                                                              use_tqdm=False)]
     response = client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=4, temperature=0)
     assert [c.text for c in response.choices] == expected and [c.index for c in response.choices] == [0, 1]
 
 
 def test_logprobs_in_openai_shape_equal_the_engines(client, reference):
     expected = reference.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6, logprobs=2),
-                                  use_tqdm=False)[0].outputs[0]  # fmt: skip
+                                  use_tqdm=False)[0].outputs[0]
     response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                         temperature=0, logprobs=2)  # fmt: skip
+                                         temperature=0, logprobs=2)
     logprobs = response.choices[0].logprobs
     assert "".join(logprobs.tokens) == response.choices[0].text
     assert logprobs.token_logprobs == pytest.approx([e[t] for e, t in zip(expected.logprobs, expected.token_ids)])
     assert all(len(top) == 2 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs,
-                                                                            logprobs.token_logprobs))  # fmt: skip
+                                                                            logprobs.token_logprobs))
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
-                                          top_logprobs=3)  # fmt: skip
+                                          top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert "".join(t.token for t in content) == chat.choices[0].message.content and len(content) == 5
     for token in content:
@@ -174,7 +174,7 @@ def test_bad_completion_requests_are_openai_errors_that_change_nothing(server, c
     body, status, message = BAD_COMPLETIONS[case]
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = httpx.post(f"{server.url}/v1/completions", content=content,
-                          headers={"content-type": "application/json"})  # fmt: skip
+                          headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"]
@@ -199,7 +199,7 @@ def test_bad_chat_requests(client):
         client.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="tools is not supported"):
         client.chat.completions.create(model=MODEL, messages=CHAT, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {}}}])  # fmt: skip
+            "name": "f", "parameters": {}}}])
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.BadRequestError, match="stream_options is only allowed when stream is true"):
@@ -288,7 +288,7 @@ def test_200_concurrent_streams_with_a_fifth_cut_off_leave_nothing_running(serve
 def test_metrics_count_tokens_and_latencies(client, server):
     before = _metrics(server)
     client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
-                              extra_body={"ignore_eos": True})  # fmt: skip
+                              extra_body={"ignore_eos": True})
     after = _metrics(server)
     assert after["pagedlab:prompt_tokens_total"] - before["pagedlab:prompt_tokens_total"] == 5
     assert after["pagedlab:generation_tokens_total"] - before["pagedlab:generation_tokens_total"] == 4
@@ -299,7 +299,7 @@ def test_metrics_count_tokens_and_latencies(client, server):
     assert after[itl] - before[itl] == 3
     for name in ("num_requests_swapped", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "swapped_bytes_total", 'num_preemptions_total{mode="recompute",model_name="smollm2"}',
-                 'swapped_blocks_total{direction="out",model_name="smollm2"}'):  # fmt: skip
+                 'swapped_blocks_total{direction="out",model_name="smollm2"}'):
         assert f"pagedlab:{name}" in after
 
 
@@ -312,7 +312,7 @@ def test_pagedlab_serve_answers_the_openai_client_and_stops_cleanly(smollm2, sig
         [sys.executable, "-m", "pagedlab", "serve", "--port", "0", "--preemption-mode", "recompute",
          "--num-kv-blocks", "64", "--log-level", "warning"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PAGEDLAB_API_KEY": "k"},
-    )  # fmt: skip
+    )
     try:
         line = process.stderr.readline()
         match = re.search(r"on (http://127\.0\.0\.1:\d+/v1) .*API key required", line)

@@ -25,7 +25,7 @@ def test_n_samples_equal_separate_seeded_requests(model, prompt_len):
     llm = LLM(model, block_size=4, num_kv_blocks=128)
     together = completions(llm, prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10))
     separate = [completions(llm, prompt, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10))[0]
-                for i in range(4)]  # fmt: skip
+                for i in range(4)]
     assert together == separate
     assert len({tuple(t) for t in together}) > 1, "the samples should differ"
 

@@ -37,9 +37,9 @@ def test_workloads_are_seeded_and_follow_their_distributions():
     assert all(r.arrival_s == 0 for r in make_workload(10))  # all at once by default
     rng = random.Random(0)
     assert statistics.mean(Lengths("exponential", 100, high=10**6).sample(rng) for _ in range(4000)) == pytest.approx(
-        100, rel=0.08)  # fmt: skip
+        100, rel=0.08)
     assert statistics.median(Lengths("lognormal", 50, high=10**6).sample(rng) for _ in range(4000)) == pytest.approx(
-        50, rel=0.1)  # fmt: skip
+        50, rel=0.1)
     assert {Lengths("uniform", low=3, high=5).sample(rng) for _ in range(200)} == {3, 4, 5}
     assert {Lengths("fixed", 7).sample(rng) for _ in range(20)} == {7}
     chat = [Lengths("chat").sample(rng, "prompt") for _ in range(500)]
@@ -57,7 +57,7 @@ def test_shared_prefix_fraction():
 @pytest.mark.parametrize("bad, match", [
     (dict(num_requests=0), "num_requests"), (dict(request_rate=0), "request_rate"),
     (dict(burstiness=0, request_rate=1), "burstiness"), (dict(shared_prefix_fraction=2), "shared_prefix_fraction"),
-])  # fmt: skip
+])
 def test_bad_workloads_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         make_workload(**{"num_requests": 5, **bad})
@@ -73,7 +73,7 @@ def test_bad_workloads_are_refused(bad, match):
 def test_latencies_on_a_hand_checked_run():
     """One request, 4 prompt tokens, 3 out, one second a step: its tokens come at 1, 2, 3 s."""
     trace = simulate([SimRequest((1, 2, 3, 4), 3, 0.0), SimRequest((5, 6), 2, 10.0)], cost_model=STEP,
-                     num_kv_blocks=8, block_size=4, preemption_mode="recompute")  # fmt: skip
+                     num_kv_blocks=8, block_size=4, preemption_mode="recompute")
     assert metrics.token_times(trace) == {"0": [1.0, 2.0, 3.0], "1": [11.0, 12.0]}  # idle from 3 s to 10 s
     latencies = metrics.latencies(trace)
     assert latencies.ttft_s == (1.0, 1.0) and latencies.tpot_s == (1.0, 1.0) and latencies.e2e_s == (3.0, 2.0)
@@ -85,7 +85,7 @@ def test_kv_usage_agrees_with_the_benchmark_accounting():
     from pagedlab.bench.metrics import kv_samples
 
     trace = simulate(make_workload(30, n=2, request_rate=4.0, seed=2), cost_model=STEP, num_kv_blocks=300,
-                     block_size=8, preemption_mode="swap", enable_prefix_caching=True)  # fmt: skip
+                     block_size=8, preemption_mode="swap", enable_prefix_caching=True)
     for usage, sample in zip(metrics.paged_usage(trace), kv_samples(trace)):
         assert (usage.allocated, usage.live) == (sample.allocated, sample.live)
         assert usage.allocated + usage.free == 300 * 8
@@ -94,7 +94,7 @@ def test_kv_usage_agrees_with_the_benchmark_accounting():
 
 def test_beam_search_forks_prunes_and_ends_at_its_length():
     config = EngineConfig(block_size=4, num_kv_blocks=200, max_model_len=256, preemption_mode="recompute",
-                          max_trace_steps=None)  # fmt: skip
+                          max_trace_steps=None)
     engine = SimEngine(config, STEP)
     for i in range(3):
         engine.add_request(None, SimRequest(tuple(range(10 + i)), 12, beam_width=4))
@@ -113,7 +113,7 @@ def test_beam_search_forks_prunes_and_ends_at_its_length():
 def test_beam_search_survives_recompute_preemption():
     trace = simulate([SimRequest(tuple(range(20)), 16, beam_width=3), SimRequest(tuple(range(30, 50)), 16,
                       beam_width=3)], cost_model=STEP, num_kv_blocks=16, block_size=4,
-                     preemption_mode="recompute")  # fmt: skip
+                     preemption_mode="recompute")
     assert any(r.restarted for r in trace) and trace.steps[-1].num_free_blocks == 16
 
 
@@ -122,7 +122,7 @@ def test_beam_search_survives_recompute_preemption():
     (SimRequest(tuple(range(40)), 4), dict(max_num_batched_tokens=32)),  # one step cannot hold it
     (SimRequest((1, 2, 3), 4, n=5), dict(max_num_seqs=4)),
     (SimRequest((1, 2, 3), 4, beam_width=5), dict(max_num_seqs=4)),
-])  # fmt: skip
+])
 def test_a_request_that_can_never_run_is_refused_as_the_engine_refuses_it(spec, options):
     import torch
 
@@ -155,7 +155,7 @@ def test_bad_settings_are_refused():
 
 def test_the_simulator_imports_no_torch():
     code = ("import sys; from pagedlab.sim.experiment import Settings, run; from pagedlab.viz import playground; "
-            "run(Settings(num_requests=10)); assert 'torch' not in sys.modules, 'torch was imported'")  # fmt: skip
+            "run(Settings(num_requests=10)); assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -176,7 +176,7 @@ def test_static_contiguous_simulation_equals_the_contiguous_engine(reserve):
     out = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in lengths])
     trace = simulate_contiguous([SimRequest(tuple(p), o) for p, (_, o) in zip(prompts, lengths)], num_slots=100,
                                 max_model_len=32, cost_model=STEP, max_num_seqs=4, max_num_batched_tokens=10**6,
-                                batching="static", reserve=reserve)  # fmt: skip
+                                batching="static", reserve=reserve)
     assert [r.report for r in trace.steps] == list(out.reports)
     assert [r.num_running for r in trace.steps] == list(out.num_running)
     assert trace.peak_num_seqs == out.peak_num_seqs
@@ -216,7 +216,7 @@ def test_fit_recovers_a_known_model_from_noisy_steps():
     rng = random.Random(0)
     trace = simulate(make_workload(80, request_rate=2.0, seed=1, prompt_len=Lengths("uniform", low=8, high=600)),
                      cost_model=STEP, num_kv_blocks=400, block_size=16, preemption_mode="recompute",
-                     enable_chunked_prefill=True, max_num_batched_tokens=256)  # fmt: skip
+                     enable_chunked_prefill=True, max_num_batched_tokens=256)
     features = tuple(step_features(r.scheduled) for r in trace)
     durations = tuple(tuple(truth.seconds(f) * rng.uniform(0.95, 1.05) for f in features) for _ in range(3))
     times = calibrate.StepTimes("synthetic", features, durations)
@@ -250,7 +250,7 @@ def test_calibration_measures_the_engine_and_fits(tmp_path):
     model = tiny_model()
     requests = [SimRequest(tuple(range(1, 1 + p)), o, a) for p, o, a in [(12, 5, 0), (30, 3, 0), (5, 8, 2)]]
     times, engine = calibrate.measure_steps(model, None, "tiny", requests, repeats=2, num_kv_blocks=64,
-                                            max_model_len=64)  # fmt: skip
+                                            max_model_len=64)
     assert len(times.durations) == 2 and len(times.features) == len(engine.trace)
     assert calibrate.noise(times)["repeats"] == 2
     fitted = calibrate.fit([times])
@@ -264,10 +264,10 @@ def test_run_compares_paged_and_contiguous_on_the_same_workload():
     comparison = run(Settings(num_requests=40, request_rate=4.0, kv_slots=4096))
     paged, contiguous = comparison.paged, comparison.contiguous
     assert metrics.num_output_tokens(paged) == metrics.num_output_tokens(contiguous) == sum(
-        r.output_len for r in comparison.requests)  # fmt: skip
+        r.output_len for r in comparison.requests)
     assert metrics.kv_slots(paged) == metrics.kv_slots(contiguous) == 4096
     used = {name: metrics.time_average(t, metrics.kv_breakdown(t)["used"]) for name, t in
-            (("paged", paged), ("contiguous", contiguous))}  # fmt: skip
+            (("paged", paged), ("contiguous", contiguous))}
     assert used["paged"] > used["contiguous"]
     assert run(Settings(num_requests=40, request_rate=4.0, kv_slots=4096)) == comparison  # pure
 

@@ -45,7 +45,7 @@ def workload(seed: int, num: int = 7, shared_prefix: int = 0, n: int = 1, late: 
     if late:
         arrivals[-1] = 500
     return [SimRequest(tuple(prefix + p), rng.randint(1, 24), float(a), n if i % 2 else 1)
-            for i, (p, a) in enumerate(zip(prompts, arrivals))]  # fmt: skip
+            for i, (p, a) in enumerate(zip(prompts, arrivals))]
 
 
 def run_engine(model, requests: list[SimRequest], config: EngineConfig) -> LLMEngine:
@@ -63,7 +63,7 @@ def comparable(record: StepRecord) -> dict:
         (s.request_id, s.group_id, s.num_computed_tokens, s.num_new_tokens, s.block_ids,
          tuple(t.request_id for t in s.sampling))
         for s in record.scheduled
-    )  # fmt: skip
+    )
     fields["appended"] = tuple(request_id for request_id, _ in record.appended)
     return fields
 
@@ -111,7 +111,7 @@ CASES = {
                          dict(seed=14, n=2), {"fork", "copy", "swap"}),
     "forced-preemption": (dict(block_size=4, num_kv_blocks=40, preemption_mode="swap", num_cpu_blocks=8,
                                force_preemption_rate=0.3), dict(seed=15), {"swap"}),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -119,7 +119,7 @@ def test_simulator_records_the_engines_trace(model, case):
     options, workload_options, expected = CASES[case]
     requests = workload(**workload_options)
     config = EngineConfig(**{"max_model_len": 64, "max_num_batched_tokens": 64, "preemption_mode": "recompute",
-                             "max_trace_steps": None, **options})  # fmt: skip
+                             "max_trace_steps": None, **options})
     engine = run_engine(model, requests, config)
     fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
     trace = simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
@@ -137,7 +137,7 @@ def events(trace) -> set[str]:
         "copy": any(r.copied for r in steps),
         "chunk": any(s.num_new_tokens > 1 and not s.sampling for r in steps for s in r.scheduled),
         "idle": any(b > a + 1 for a, b in zip(trace.step_start_s, trace.step_start_s[1:])),
-    }  # fmt: skip
+    }
     return {name for name, happened in found.items() if happened}
 
 
@@ -154,15 +154,15 @@ def random_cases(draw):
         enable_prefix_caching=draw(st.booleans(), "prefix_caching"),
         enable_partial_preemption=draw(st.booleans(), "partial"), max_num_seqs=draw(st.integers(3, 8), "seqs"),
         num_cpu_blocks=draw(st.integers(0, num_blocks), "cpu_blocks") if mode != "recompute" else None,
-    )  # fmt: skip
+    )
     workload_options = dict(seed=draw(st.integers(0, 10**6), "seed"), shared_prefix=draw(st.sampled_from((0, 9))),
-                            n=draw(st.sampled_from((1, 1, 2, 3)), "n"))  # fmt: skip
+                            n=draw(st.sampled_from((1, 1, 2, 3)), "n"))
     return options, workload_options
 
 
 @pytest.mark.slow
 @settings(max_examples=10, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=random_cases())
 def test_simulator_records_the_engines_trace_random(model, case):
     options, workload_options = case
@@ -175,7 +175,7 @@ def test_simulator_records_the_engines_trace_random(model, case):
 
 
 @pytest.mark.parametrize("case", ["bs4-recompute-tight", "bs4-chunked-swap-partial", "bs2-prefix-chunked-recompute",
-                                  "bs4-samples-cow"])  # fmt: skip
+                                  "bs4-samples-cow"])
 def test_simulator_agrees_with_pagedlab_replay(model, case):
     """`pagedlab.replay` (chapter 05) is the same idea counted in steps: on a workload that never idles (so
     that arriving at second a is arriving before step a + 1), both make the same decisions at every step."""
@@ -185,7 +185,7 @@ def test_simulator_agrees_with_pagedlab_replay(model, case):
     options, workload_options, _ = CASES[case]
     requests = workload(**workload_options)
     config = EngineConfig(**{"max_model_len": 64, "max_num_batched_tokens": 64, "preemption_mode": "recompute",
-                             "max_trace_steps": None, **options})  # fmt: skip
+                             "max_trace_steps": None, **options})
     engine = LLMEngine(model, None, config)
     fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
     simulated = simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
@@ -193,5 +193,5 @@ def test_simulator_agrees_with_pagedlab_replay(model, case):
     arrivals = [Arrival(int(r.arrival_s) + 1, str(i), r.prompt_token_ids,
                         SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, seed=i, max_tokens=r.output_len,
                                        ignore_eos=True))
-                for i, r in enumerate(requests)]  # fmt: skip
+                for i, r in enumerate(requests)]
     assert first_difference(replay_engine(engine, arrivals), simulated) is None

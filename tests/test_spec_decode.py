@@ -78,7 +78,7 @@ def test_preemption_keeps_tokens(case, method, block_size, preemption_mode):
     model, prompts, expected = case
     num_blocks = -(-(33 + 24) // block_size) + 1
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, preemption_mode=preemption_mode,
-                          speculative_config=speculative_configs(model)[method])  # fmt: skip
+                          speculative_config=speculative_configs(model)[method])
     engine = LLMEngine(model, None, config)
     assert run_engine(engine, prompts, 24) == expected
     stats = engine.stats()
@@ -96,7 +96,7 @@ def test_prefix_caching_chunked_prefill_and_a_small_budget(case, method):
     expected = hf_greedy(model, prompts, 24)
     config = EngineConfig(block_size=4, num_kv_blocks=256, enable_prefix_caching=True, enable_chunked_prefill=True,
                           max_num_batched_tokens=8,
-                          max_num_seqs=2, speculative_config=speculative_configs(model)[method])  # fmt: skip
+                          max_num_seqs=2, speculative_config=speculative_configs(model)[method])
     engine = LLMEngine(model, None, config)
     assert run_engine(engine, prompts, 24, "staggered") == expected
     assert engine.stats().prefix_cache_hits > 0
@@ -195,7 +195,7 @@ def test_ngram_lookup():
         ({"num_speculative_tokens": 2}, "needs 'method'"),
         ("ngram", "must be a dict"),
     ],
-)  # fmt: skip
+)
 def test_bad_config_is_refused_by_name(spec, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=spec)
@@ -204,7 +204,7 @@ def test_bad_config_is_refused_by_name(spec, message):
 def test_draft_model_must_share_the_vocabulary():
     model = tiny_model("llama")
     other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+                                         num_attention_heads=2, num_key_value_heads=1))
     spec = {"method": "draft_model", "model": other, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocabulary has 64 tokens and the target's 128"):
         LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=64, speculative_config=spec))
@@ -234,7 +234,7 @@ def test_rejection_sampling_follows_the_target_distribution():
     row 1's. 20 000 seeded verifications; a real bias of a few percent would fail."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)  # fmt: skip
+                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)
     model = LlamaForCausalLM(config).eval()
     context = [1, 5, 2]
     with torch.inference_mode():
@@ -327,9 +327,9 @@ def test_smollm2_greedy_matches_hf(smollm2):
     n-gram lookup: Hugging Face's tokens."""
     model, tokenizer = smollm2
     texts = ["Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
-             "What is the capital of France?", "List three prime numbers."]  # fmt: skip
+             "What is the capital of France?", "List three prime numbers."]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-               for t in texts]  # fmt: skip
+               for t in texts]
     prompts = [list(p if isinstance(p, list) else p["input_ids"]) for p in prompts]
     expected = hf_greedy(model, prompts, max_new_tokens=24)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.beam_search import BeamSearchParams
@@ -34,7 +33,7 @@ MAX_TOKENS = 16
 CONFIG = dict(
     block_size=4, num_kv_blocks=18, enable_prefix_caching=True, enable_chunked_prefill=True,
     max_num_batched_tokens=16,
-)  # fmt: skip
+)
 
 
 def prompts_with_shared_prefix() -> list[list[int]]:
@@ -161,7 +160,7 @@ def test_no_process_outlives_a_script_that_forgets_to_close(folders):
             llm = LLM({str(paths["llama"])!r}, tensor_parallel_size=2, block_size=4, num_kv_blocks=16)
             llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], SamplingParams(max_tokens=2), use_tqdm=False)
             print(*[p.pid for p in llm.llm_engine.worker.processes], fs._forkserver._forkserver_pid or 0)
-    """)  # fmt: skip
+    """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
     pids = [int(p) for p in out.stdout.split()[-3:] if int(p)]

@@ -46,7 +46,7 @@ def record(step, *, tables=(), waiting=(), running=(), scheduled=(), free, **eve
     base = dict(allocated=(), freed=(), preempted=(), appended=(), finished=())
     base.update(events)
     return StepRecord(step=step, scheduled=tuple(scheduled), block_tables=tuple(tables), waiting=tuple(waiting),
-                      running=tuple(running), num_free_blocks=free, **base)  # fmt: skip
+                      running=tuple(running), num_free_blocks=free, **base)
 
 
 def hand_trace() -> Trace:
@@ -67,7 +67,7 @@ def hand_trace() -> Trace:
                scheduled=[s("b", 3, 1, True), s("b:1", 3, 1, True)], allocated=(("b:1", (4,)),),
                copied=(("b:1", 0, 4),), preempted=("a",), freed=(2, 5), appended=(("b", 14), ("b:1", 15)),
                cached_blocks=(5,), free=6),
-    ])  # fmt: skip
+    ])
 
 
 def gid(ax, name):
@@ -116,7 +116,7 @@ def test_block_pool_cells_colours_fill_refcounts_and_cache_marks():
     assert len(cells.get_paths()) == 8
     a, b = seq_color(trace, "a"), seq_color(trace, "b")
     assert hexes(cells) == [b, FREE_COLOR.lower(), a, FREE_COLOR.lower(), FREE_COLOR.lower(), a, FREE_COLOR.lower(),
-                            FREE_COLOR.lower()]  # fmt: skip
+                            FREE_COLOR.lower()]
     assert texts(ax, "pool-id") == [str(i) for i in range(8)]
     assert texts(ax, "pool-refcount") == ["x2"]  # block 0, held by b and b:1
     # partly filled: block 2 (a's 7th token, 3/4) and block 0 (3/4); block 5 is full
@@ -158,7 +158,7 @@ def test_swapped_sequences_appear_in_a_cpu_pool_only_once_the_trace_swapped():
     assert texts(draw_block_pool(trace, 2).axes[0], "cpu-pool-title") == []
     swapped = record(4, tables=[T("b", (0,), 5)], cpu_block_tables=[T("b:1", (0, 1), 5)], running=["b"],
                      waiting=["a", "c"], swapped=["b:1"], preempted=("b:1",), free=7,
-                     swapped_out=(("b:1", ((4, 0), (1, 1))),))  # fmt: skip
+                     swapped_out=(("b:1", ((4, 0), (1, 1))),))
     trace.steps.append(swapped)
     ax = draw_block_pool(trace, 3).axes[0]
     assert texts(ax, "cpu-pool-title") == [f"CPU swap pool, first 4 of {1 << 20}"]
@@ -239,9 +239,9 @@ def test_describe_step_in_words():
 def test_partial_preemption_in_words():
     s = work
     before = record(1, tables=[T("a", (5,), 3), T("b", (0, 1, 2), 12)], running=["a", "b"],
-                    scheduled=[s("a", 0, 3, True), s("b", 0, 12, True)], free=5)  # fmt: skip
+                    scheduled=[s("a", 0, 3, True), s("b", 0, 12, True)], free=5)
     after = record(2, tables=[T("a", (5, 2), 5), T("b", (0, 1), 8)], running=["a", "b"], preempted=("b",),
-                   truncated=(("b", 8),), scheduled=[s("a", 3, 2, True)], freed=(2,), free=5)  # fmt: skip
+                   truncated=(("b", 8),), scheduled=[s("a", 3, 2, True)], freed=(2,), free=5)
     assert describe_step(Trace(6, 4, steps=[before, after]), 1).startswith(
         "step 2: seq b partially preempted (keeps its first 8 tokens' KV, recomputes the rest); "
     )
@@ -309,7 +309,7 @@ def test_static_strip_wraps_onto_rows_that_fit_a_notebook_with_readable_text():
     for k in range(10):
         tables = [T(f"0:b{i}", tuple(range(i * 10, i * 10 + 10)) + (30 + i % 2,), 41 + k % 4) for i in range(3)]
         steps.append(record(k + 1, tables=tables, running=[t.request_id for t in tables],
-                            scheduled=[s(t.request_id, 40 + k % 4, 1, True) for t in tables], free=1))  # fmt: skip
+                            scheduled=[s(t.request_id, 40 + k % 4, 1, True) for t in tables], free=1))
     trace = Trace(32, 4, steps=steps)
     assert strip_indices(trace) == list(range(10))
     strip = static_strip(trace)
@@ -343,7 +343,7 @@ def test_a_pruned_beam_reads_as_pruned_everywhere():
     trace = hand_trace()
     pruned = record(4, tables=[T("b", (0,), 5)], running=["b"], waiting=["a", "c"], free=7,
                     finished=(("b:1", "pruned"),), freed=(4,), scheduled=[work("b", 4, 1)],
-                    appended=(("b", 11),))  # fmt: skip
+                    appended=(("b", 11),))
     trace.steps.append(pruned)
     text = describe_step(trace, 3)
     assert "seq b:1 pruned (no beam continues it)" in text and "finished" not in text
@@ -434,7 +434,7 @@ def timed_trace() -> Trace:
         record(4, tables=[], swapped=["b"], cpu_block_tables=[T("b", (0, 1), 6)], preempted=("b",),
                swapped_out=(("b", ((2, 0), (3, 1))),), scheduled=[], free=8, num_free_cpu_blocks=2,
                duration_s=0.0625),
-    ])  # fmt: skip
+    ])
 
 
 def test_step_tokens_split_prefill_and_decode_against_the_budget():
@@ -458,7 +458,7 @@ def test_kv_usage_counts_used_cached_and_cpu_blocks():
     assert gid(ax, "usage-preempted").get_offsets().tolist() == [[4, 0]]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["device blocks in use", "free but cached (prefix cache)", "CPU swap blocks in use",
-                      "device pool (8 blocks)", "preemption"]  # fmt: skip
+                      "device pool (8 blocks)", "preemption"]
 
 
 def test_request_times_and_latency_curves():
@@ -483,8 +483,8 @@ def test_is_eventful_and_strip_indices_are_exported():
 def test_a_sequence_swapped_in_and_finished_in_one_step_names_its_block():
     s = ScheduledRequest
     out = record(1, tables=[], cpu_block_tables=[T("a", (0, 1), 7)], swapped=["a"], preempted=("a",),
-                 swapped_out=(("a", ((3, 0), (5, 1))),), free=8)  # fmt: skip
+                 swapped_out=(("a", ((3, 0), (5, 1))),), free=8)
     back = record(2, tables=[], scheduled=[s("a", 7, 1)], swapped_in=(("a", ((0, 6), (1, 2))),),
-                  appended=(("a", 11),), finished=(("a", "length"),), freed=(2, 6), free=8)  # fmt: skip
+                  appended=(("a", 11),), finished=(("a", "length"),), freed=(2, 6), free=8)
     text = describe_step(Trace(8, 4, num_cpu_blocks=2, steps=[out, back]), 1)
     assert "seq a wrote 1 token into block 2 (slot 4/4), sampled token 11" in text

@@ -94,12 +94,12 @@ class BenchmarkReport:
                 "requests_per_s": r.requests_per_s, "peak_num_seqs": r.peak_num_seqs,
                 "kv_utilization": r.kv_utilization, "num_preemptions": r.num_preemptions,
                 "steady_batch": r.steady_batch, "flops_fraction": r.flops_fraction, "extra": extra,
-            })  # fmt: skip
+            })
         return {
             "workload": self.workload, "description": self.description, "machine": self.machine,
             "options": dataclasses.asdict(self.options), "tables": {k: t.as_dict() for k, t in self.tables.items()},
             "results": results,
-        }  # fmt: skip
+        }
 
     def save(self, out_dir: str | Path) -> list[Path]:
         """Write the JSON, the text tables and the plots; return the paths written."""
@@ -178,7 +178,7 @@ class Bench:
 def run_benchmark(
     workload: str = "chat", *, model=None, tokenizer=None, dtype: str = "auto", device: str = "cpu",
     out_dir: str | Path | None = None, progress: bool = True, options: BenchOptions | None = None, **option_values,
-) -> BenchmarkReport:  # fmt: skip
+) -> BenchmarkReport:
     """Run one workload (see `WORKLOADS`) and return its report; write it to `out_dir` if given.
 
     model: None for the embedded SmolLM2 (with its tokenizer), a name or path, or a model object; a model

@@ -16,7 +16,7 @@ from pagedlab.bench.report import Table
 
 COLUMNS = ("coefficient", "value")
 ERROR_COLUMNS = ("workload", "fitted", "steps", "measured_s", "predicted_s", "total_error", "median_step_error",
-                 "p90_step_error", "repeats_spread")  # fmt: skip
+                 "p90_step_error", "repeats_spread")
 SERVING_COLUMNS = ("metric", "simulated", "real", "error")
 
 
@@ -26,10 +26,10 @@ def run(bench) -> None:
     o = bench.options
     repeats = max(3, o.repeats)
     bench.describe(None, f"the simulator's step cost model fitted to the engine's step times (median of {repeats} "
-                         "repeats), and its error on held-out workloads")  # fmt: skip
+                         "repeats), and its error on held-out workloads")
     bar = bench.bar("calibrate")
     calibration, measured = run_calibration(bench.model, bench.tokenizer, repeats, o.scale, o.seed,
-                                            progress=bar.set_description if bar is not None else None)  # fmt: skip
+                                            progress=bar.set_description if bar is not None else None)
     table = Table("calibrate: seconds per step = sum of coefficient x feature", COLUMNS)
     for name, value in dataclasses.asdict(calibration.step_cost).items():
         table.add(coefficient=name, value=value)
@@ -40,14 +40,14 @@ def run(bench) -> None:
         errors.add(workload=name, fitted=e["fitted"], steps=e["num_steps"], measured_s=e["total_measured_s"],
                    predicted_s=e["total_predicted_s"], total_error=e["total_error"],
                    median_step_error=e["median_abs_step_error"], p90_step_error=e["p90_abs_step_error"],
-                   repeats_spread=calibration.noise[name]["total_spread"])  # fmt: skip
+                   repeats_spread=calibration.noise[name]["total_spread"])
     errors.notes.append("errors are relative; repeats_spread: (slowest - fastest) / median of the repeats' totals")
     bench.add_table("calibrate_error", errors)
     serving = calibration.error["serving"]
     table = Table("calibrate: real-time Poisson arrivals, engine against simulator", SERVING_COLUMNS)
     for metric, value in serving["simulated"].items():
         table.add(metric=metric, simulated=value, real=", ".join(f"{run[metric]:.3g}" for run in serving["real"]),
-                  error=", ".join(f"{e:+.1%}" for e in serving["error"][metric]))  # fmt: skip
+                  error=", ".join(f"{e:+.1%}" for e in serving["error"][metric]))
     bench.add_table("calibrate_serving", table)
     bench.add_plot("calibration.json", calibration.save)  # not a plot: add_plot writes any file
     steps = {name: dataclasses.asdict(times) for name, times in measured.items()}

@@ -28,7 +28,7 @@ class Concurrency:
 def paged_concurrency(
     lengths: list[tuple[int, int]], num_slots: int, block_size: int = 16, max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-) -> Concurrency:  # fmt: skip
+) -> Concurrency:
     """Run (prompt_len, output_len) requests through the real scheduler on num_slots // block_size blocks."""
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
@@ -39,7 +39,7 @@ def paged_concurrency(
     max_model_len = max_model_len or max(p + o for p, o in lengths)
     longest_prompt = max(p for p, _ in lengths)
     config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, preemption_mode="recompute",
-                          max_num_batched_tokens=max(max_num_batched_tokens, longest_prompt))  # fmt: skip
+                          max_num_batched_tokens=max(max_num_batched_tokens, longest_prompt))
     scheduler = Scheduler(config, KVCacheManager(num_slots // block_size, block_size))
     params = SamplingParams(temperature=0, ignore_eos=True)
     for i, (prompt_len, output_len) in enumerate(lengths):

@@ -135,7 +135,7 @@ class DecodeStep:
         start = clock()
         with attention_implementation(self.model, attention):
             self.model(input_ids=self.input_ids[None], position_ids=self.positions[None], use_cache=False,
-                       pagedlab_context=context)  # fmt: skip
+                       pagedlab_context=context)
         return clock() - start
 
 
@@ -170,7 +170,7 @@ def model_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 def measure(model, dtypes, batches, contexts, block_size: int, repeats: int, max_kv_bytes: int,
             torch_path: bool = True, clock: str = "wall", probe_bytes: int = 1 << 30,
-            bar=None) -> tuple[list[DecodeResult], list[str]]:  # fmt: skip
+            bar=None) -> tuple[list[DecodeResult], list[str]]:
     """Every (dtype, batch, context) whose cache fits in `max_kv_bytes`; returns the results and the skipped."""
     results, skipped = [], []
     tick = CLOCKS[clock]

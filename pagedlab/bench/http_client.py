@@ -53,7 +53,7 @@ def model_name(base_url: str, api_key: str | None = None) -> str:
 
 
 def replay(base_url: str, workload: Workload, arrivals: Sequence[float], api_key: str | None = None,
-           bar=None) -> tuple[list[RequestTiming], float]:  # fmt: skip
+           bar=None) -> tuple[list[RequestTiming], float]:
     """Send every request at its arrival time; return the timings (in workload order) and the wall time."""
     name = model_name(base_url, api_key)
     return asyncio.run(_replay(base_url, name, workload, arrivals, api_key, bar))
@@ -118,7 +118,7 @@ def _headers(api_key: str | None) -> dict:
 
 @contextlib.contextmanager
 def local_server(model, tokenizer, engine_options: dict, model_source: str | None = None, in_thread: bool = False,
-                 threads: int | None = None, timeout: float = 900.0) -> Iterator[str]:  # fmt: skip
+                 threads: int | None = None, timeout: float = 900.0) -> Iterator[str]:
     """`pagedlab serve` on a free loopback port; yields its base URL.
 
     By default a child process loads `model_source` (a name or folder; None: the embedded model) with the
@@ -140,7 +140,7 @@ def _child_server(model, model_source, engine_options, threads, timeout) -> Iter
     parameter = next(model.parameters())
     command = [sys.executable, "-m", "pagedlab", "serve", *([model_source] if model_source else []), "--port", "0",
                "--dtype", str(parameter.dtype).removeprefix("torch."), "--device", parameter.device.type,
-               "--log-level", "warning"]  # fmt: skip
+               "--log-level", "warning"]
     for name, value in engine_options.items():
         if value is None or name == "record_trace":
             continue

@@ -71,7 +71,7 @@ def compare(reference, candidate, token_ids: Sequence[int], chunk: int = 256) ->
         seen += rows
     n = max(seen, 1)
     return TextComparison(seen, float(torch.tensor(nll_ref / n).exp()), float(torch.tensor(nll_cand / n).exp()),
-                          kl_sum / n, kl_max, agree / n)  # fmt: skip
+                          kl_sum / n, kl_max, agree / n)
 
 
 def english_text() -> str:

@@ -28,7 +28,7 @@ class OverheadResult:
 
 
 def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 128, output_len=(32, 256),
-                        block_size: int = 16, seed: int = 0) -> float:  # fmt: skip
+                        block_size: int = 16, seed: int = 0) -> float:
     """Median seconds per step of schedule() + update_from_output() over `num_steps` decode steps."""
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
@@ -41,7 +41,7 @@ def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 12
     num_blocks = 2 * num_seqs * cdiv(max_model_len, block_size)  # ample: no preemption, the steady state
     kv = KVCacheManager(num_blocks, block_size)
     config = EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * prompt_len),
-                          max_model_len=max_model_len, preemption_mode="recompute")  # fmt: skip
+                          max_model_len=max_model_len, preemption_mode="recompute")
     scheduler = Scheduler(config, kv)
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     arrivals = 0
@@ -71,7 +71,7 @@ def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 12
 
 
 def real_step_time(model, tokenizer, num_seqs: int, prompt_len: int = 8, num_decode_steps: int = 4,
-                   seed: int = 0) -> float:  # fmt: skip
+                   seed: int = 0) -> float:
     """Median seconds per decode step of the real engine with `num_seqs` short requests decoding together
     (short prompts keep the set-up cheap; a longer context would only make the real step longer)."""
     from pagedlab.bench.systems import engine_config
@@ -83,7 +83,7 @@ def real_step_time(model, tokenizer, num_seqs: int, prompt_len: int = 8, num_dec
     max_len = prompt_len + num_decode_steps + 2
     engine = LLMEngine(model, tokenizer, engine_config(
         max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, prompt_len), max_model_len=max_len,
-        num_kv_blocks=num_seqs * cdiv(max_len, 16) + 1, record_trace=False))  # fmt: skip
+        num_kv_blocks=num_seqs * cdiv(max_len, 16) + 1, record_trace=False))
     params = SamplingParams(temperature=0, max_tokens=num_decode_steps + 2, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], params)

@@ -41,7 +41,7 @@ def matmul_flops(model: torch.nn.Module, batch: int, min_time: float = 0.2) -> f
     dtype, device = param.dtype, param.device
     batch = max(1, int(batch))
     operands = [(torch.randn(batch, i, dtype=dtype, device=device), torch.randn(o, i, dtype=dtype, device=device), n)
-                for (i, o), n in body.items()]  # fmt: skip
+                for (i, o), n in body.items()]
     flops = sum(2 * batch * x.shape[1] * w.shape[0] * n for x, w, n in operands)
     times = []
     with torch.inference_mode():

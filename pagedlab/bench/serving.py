@@ -18,7 +18,7 @@ from pagedlab.bench.report import Table
 
 COLUMNS = ("system", "request_rate", "requests", "failed", "time_s", "requests_s", "output_tok_s", "ttft_p50_s",
            "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "itl_p50_s", "itl_p90_s",
-           "itl_p99_s")  # fmt: skip
+           "itl_p99_s")
 VIA = ("in-process", "http")
 
 
@@ -46,7 +46,7 @@ def run(bench, workload, engine_options: dict) -> None:
         elif "http" in via:
             url = stack.enter_context(http_client.local_server(
                 bench.model, bench.tokenizer, engine_options, bench.model_source, not bench.model_by_name,
-                bench.threads))  # fmt: skip
+                bench.threads))
             label = "pagedlab serve (HTTP)"
         for rate in o.request_rates:  # in process and over HTTP in turns, so that both see the same machine
             arrivals = poisson_arrivals(len(workload.requests), rate, o.seed)
@@ -58,7 +58,7 @@ def run(bench, workload, engine_options: dict) -> None:
                 r = bench.run(f"http {rate} req/s", lambda bar, a=arrivals: _run_http(url, workload, a, bar))
                 _add_row(table, label, rate, r, r.extra["failed"])
     table.notes.append("ttft: arrival to first token; tpot: per output token after the first; itl: between token "
-                       "deliveries (over HTTP: between streamed chunks)")  # fmt: skip
+                       "deliveries (over HTTP: between streamed chunks)")
     bench.add_table("serving", table)
     rates = list(o.request_rates)
     if len(rates) > 1:
@@ -78,12 +78,12 @@ def _run_http(url: str, workload, arrivals, bar) -> systems.RunResult:
     timings, elapsed = http_client.replay(url, workload, arrivals, bar=bar)
     ok = [t for t in timings if t.error is None]
     result = systems.RunResult("http", len(workload.requests), workload.num_prompt_tokens,
-                               sum(t.num_output_tokens for t in ok), [elapsed])  # fmt: skip
+                               sum(t.num_output_tokens for t in ok), [elapsed])
     result.extra = {
         "ttft_s": [t.ttft for t in ok if t.ttft is not None], "tpot_s": [t.tpot for t in ok if t.tpot is not None],
         "itl_s": [g for t in ok for g in t.chunk_gaps], "failed": len(timings) - len(ok),
         "errors": sorted({t.error for t in timings if t.error})[:5], "url": url,
-    }  # fmt: skip
+    }
     return result
 
 
@@ -93,4 +93,4 @@ def _add_row(table: Table, system: str, rate: float, r, failed: int) -> None:
 
     table.add(system=system, request_rate=rate, requests=r.num_requests, failed=failed, time_s=r.elapsed_s,
               requests_s=(r.num_requests - failed) / r.elapsed_s, output_tok_s=r.output_tokens_per_s,
-              **{f"{k}_p{q}_s": p(f"{k}_s", q) for k in ("ttft", "tpot", "itl") for q in (50, 90, 99)})  # fmt: skip
+              **{f"{k}_p{q}_s": p(f"{k}_s", q) for k in ("ttft", "tpot", "itl") for q in (50, 90, 99)})

@@ -14,7 +14,7 @@ from pagedlab.bench.report import Table
 SYSTEM_COLUMNS = (
     "system", "requests", "time_s", "time_range_s", "output_tok_s", "vs_pagedlab", "total_tok_s", "peak_seqs",
     "kv_util", "peak_kv_mb", "peak_rss_mb", "same_tokens", "preemptions", "linear_flops_frac",
-)  # fmt: skip
+)
 COLUMNS = {
     "chat": SYSTEM_COLUMNS,
     "nano-vllm": SYSTEM_COLUMNS,
@@ -36,14 +36,14 @@ COLUMNS = {
     "calibrate": calibrate_suite.COLUMNS,
     "calibrate_error": calibrate_suite.ERROR_COLUMNS,
     "calibrate_serving": calibrate_suite.SERVING_COLUMNS,
-}  # fmt: skip
+}
 
 
 def _engine_options(bench, workload: workloads.Workload, **overrides) -> dict:
     o = bench.options
     longest_prompt = max(r.num_prompt_tokens for r in workload.requests)
     options = dict(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_model_len=workload.max_len,
-                   max_num_batched_tokens=max(o.max_num_batched_tokens, longest_prompt), seed=o.seed)  # fmt: skip
+                   max_num_batched_tokens=max(o.max_num_batched_tokens, longest_prompt), seed=o.seed)
     options.update(overrides)
     return options
 
@@ -51,7 +51,7 @@ def _engine_options(bench, workload: workloads.Workload, **overrides) -> dict:
 def _chat_workload(bench) -> workloads.Workload:
     o = bench.options
     return workloads.chat(bench.tokenizer, bench.vocab_size, o.num_requests or 128, o.seed, o.prompt_len,
-                          o.output_mean, o.output_len)  # fmt: skip
+                          o.output_mean, o.output_len)
 
 
 # -- system tables (chat, nano-vllm) --------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: in
     for bs in sorted({min(bs, len(workload.requests)) for bs in batch_sizes}):
         peak = max(max(s.allocated for s in metrics.static_batch_kv(
             [r.num_prompt_tokens for r in batch], [r.max_tokens for r in batch]))
-            for batch in (workload.requests[i : i + bs] for i in range(0, len(workload.requests), bs)))  # fmt: skip
+            for batch in (workload.requests[i : i + bs] for i in range(0, len(workload.requests), bs)))
         (fit if peak <= num_slots else over).append(bs)
     return fit, over
 
@@ -108,14 +108,14 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
             fit, over = _static_batches_fit(workload, o.batch_sizes, num_slots)
             runs = [bench.run(f"hf-static(bs={bs})", lambda bar, bs=bs: systems.run_hf_static(
                 bench.model, workload, batch_size=bs, pad_token_id=bench.pad_token_id, repeats=o.hf_repeats, bar=bar))
-                for bs in fit]  # fmt: skip
+                for bs in fit]
             best = min(runs, key=lambda r: r.elapsed_s)
             results.append(best)
             hf_static_runs = runs
             bench.note(name, "hf-static: best of batch sizes " + ", ".join(
                 f"{r.extra['batch_size']} ({r.output_tokens_per_s:.1f} tok/s)" for r in runs)
                 + (f"; {', '.join(map(str, over))} left out: their KV cache would not fit in pagedlab's "
-                   f"{num_slots} slots" if over else ""))  # fmt: skip
+                   f"{num_slots} slots" if over else ""))
         elif system == "hf-cb":
             results.append(bench.run(system, lambda bar: systems.run_hf_cb(
                 bench.model, workload, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
@@ -137,7 +137,7 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                   peak_kv_mb=result.peak_kv_slots * bytes_per_token / 1e6 if result.peak_kv_slots else None,
                   peak_rss_mb=result.peak_rss_bytes / 1e6 if result.peak_rss_bytes is not None else None,
                   same_tokens=same_tokens(paged, result), preemptions=result.num_preemptions,
-                  linear_flops_frac=frac)  # fmt: skip
+                  linear_flops_frac=frac)
     machine = bench.roofline.machine(roofline_batch)
     table.notes += [
         f"times: median of {o.repeats} run(s) for pagedlab systems, {o.hf_repeats} for Hugging Face ones, min-max "
@@ -154,12 +154,12 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
         f"KV budget: {num_slots} token slots for every system; max_num_seqs {o.max_num_seqs}, max_model_len "
         f"{workload.max_len}; hf-cb: pages of {o.block_size} tokens, warmed up on "
         f"{systems.HF_CB_WARMUP_REQUESTS} requests",
-    ]  # fmt: skip
+    ]
     bench.add_table(name, table)
     bench.add_plot(f"{name}_throughput.png", lambda path: report.plot_throughput(
         path, f"{name}: output tokens/s", [r.system for r in results], [r.output_tokens_per_s for r in results]))
     kv_series = {r.system: [s.live / s.allocated for s in r.kv_per_step if s.allocated]
-                 for r in results if r.kv_per_step}  # fmt: skip
+                 for r in results if r.kv_per_step}
     if kv_series:
         bench.add_plot(f"{name}_kv_utilization.png", lambda path: report.plot_kv_utilization(
             path, f"{name}: KV utilisation per step", kv_series))
@@ -198,9 +198,9 @@ def sweep(bench, workload: workloads.Workload, measured: list = ()) -> None:
         else:
             r = bench.run(f"pagedlab max_num_seqs={m}", lambda bar, m=m: systems.run_pagedlab(
                 bench.model, bench.tokenizer, workload, repeats=bench.options.repeats, bar=bar,
-                **_engine_options(bench, workload, max_num_seqs=m)))  # fmt: skip
+                **_engine_options(bench, workload, max_num_seqs=m)))
         table.add(max_num_seqs=m, time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s, peak_seqs=r.peak_num_seqs,
-                  kv_util=r.kv_utilization)  # fmt: skip
+                  kv_util=r.kv_utilization)
     bench.add_table("sweep", table)
     series = {"pagedlab": ([r["max_num_seqs"] for r in table.rows], [r["output_tok_s"] for r in table.rows])}
     for result in measured[1:]:  # [0] is pagedlab at the default max_num_seqs
@@ -210,7 +210,7 @@ def sweep(bench, workload: workloads.Workload, measured: list = ()) -> None:
         ys.append(result.output_tokens_per_s)
     bench.add_plot(f"{workload.name}_sweep_max_num_seqs.png", lambda path: report.plot_lines(
         path, f"{workload.name}: throughput vs max_num_seqs (batch size)", "max_num_seqs / batch size",
-        "output tokens/s", series, logx=True))  # fmt: skip
+        "output tokens/s", series, logx=True))
 
 
 # -- prefix caching -----------------------------------------------------------------------------------------
@@ -219,14 +219,14 @@ def sweep(bench, workload: workloads.Workload, measured: list = ()) -> None:
 def prefix(bench) -> None:
     o = bench.options
     workload = workloads.shared_prefix(bench.tokenizer, bench.vocab_size, o.num_requests or 64, o.prefix_len,
-                                       max_tokens=o.prefix_max_tokens, seed=o.seed)  # fmt: skip
+                                       max_tokens=o.prefix_max_tokens, seed=o.seed)
     bench.describe(workload)
     table = Table("prefix: one shared system prompt, prefix caching off vs on", COLUMNS["prefix"])
     runs = {}
     for caching in (False, True):
         runs[caching] = r = bench.run(f"prefix caching {'on' if caching else 'off'}", lambda bar, c=caching:
             systems.run_pagedlab(bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar,
-                                 **_engine_options(bench, workload, enable_prefix_caching=c)))  # fmt: skip
+                                 **_engine_options(bench, workload, enable_prefix_caching=c)))
     decode_tokens = sum(spec.max_tokens - 1 for spec in workload.requests)
     prefill = {c: r.extra["stats"]["num_computed_tokens"] - decode_tokens for c, r in runs.items()}
     for caching, r in runs.items():
@@ -235,9 +235,9 @@ def prefix(bench) -> None:
                   ttft_p50_s=metrics.percentile(r.extra["ttft_s"], 50),
                   time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
                   hit_rate=r.extra["stats"]["prefix_cache_hits"] / max(r.extra["stats"]["prefix_cache_queries"], 1),
-                  outputs_identical=r.token_ids == runs[False].token_ids)  # fmt: skip
+                  outputs_identical=r.token_ids == runs[False].token_ids)
     table.notes.append("prefill_tokens: prompt tokens run through the model; target cut >= 80%; "
-                       "ttft: every request arrives at t=0")  # fmt: skip
+                       "ttft: every request arrives at t=0")
     bench.add_table("prefix", table)
 
 
@@ -257,19 +257,19 @@ def sharing(bench) -> None:
         f"parallel n={n}": (n, lambda i, spec: SamplingParams(n=n, temperature=0.8, seed=o.seed + i,
                                                               max_tokens=spec.max_tokens, ignore_eos=True)),
         f"beam width={width}": (width, lambda i, spec: BeamSearchParams(width, spec.max_tokens, ignore_eos=True)),
-    }  # fmt: skip
+    }
     table = Table("sharing: KV blocks with shared prompts (copy-on-write) vs n separate copies", COLUMNS["sharing"])
     for mode, (group, params) in modes.items():
         r = bench.run(mode, lambda bar, p=params: systems.run_pagedlab(
             bench.model, bench.tokenizer, workload, params=p, repeats=o.repeats, bar=bar,
-            **_engine_options(bench, workload, max_num_seqs=max(o.max_num_seqs, num * group))))  # fmt: skip
+            **_engine_options(bench, workload, max_num_seqs=max(o.max_num_seqs, num * group))))
         size = r.extra["block_size"]
         shared = max(s.allocated for s in r.kv_per_step) // size
         unshared = max(s.unshared for s in r.kv_per_step) // size
         generated = r.extra["stats"]["num_generated_tokens"]
         table.add(mode=mode, requests=num, sequences=num * group, output_tokens=generated, time_s=r.elapsed_s,
                   output_tok_s=generated / r.elapsed_s, peak_blocks_shared=shared, peak_blocks_unshared=unshared,
-                  saving=1 - shared / unshared if unshared else None)  # fmt: skip
+                  saving=1 - shared / unshared if unshared else None)
     table.notes.append("peak_blocks_unshared: the same step's block tables if every sequence held its own copy")
     bench.add_table("sharing", table)
 
@@ -294,7 +294,7 @@ def pressure(bench) -> None:
     modes = ["recompute", "swap", "auto"] if has_modes else ["recompute"]
     has_partial = hasattr(engine_config(), "enable_partial_preemption")
     table = Table(f"pressure: the chat workload on {pool} KV blocks, a quarter of the {need} it needs",
-                  COLUMNS["pressure"])  # fmt: skip
+                  COLUMNS["pressure"])
     rows = [("ample KV", need, "recompute", {})] + [(m, pool, m, {}) for m in modes]
     if has_partial:  # partial preemption: the victim gives up only its tail blocks and recomputes them
         rows += [(f"partial + {m}", pool, m, {"enable_partial_preemption": True}) for m in ("recompute", "auto")]
@@ -302,7 +302,7 @@ def pressure(bench) -> None:
     for label, blocks, mode, extra in rows:
         r = bench.run(f"pressure {label}", lambda bar, b=blocks, m=mode, x=extra: systems.run_pagedlab(
             bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(
-                bench, workload, num_kv_blocks=b, preemption_mode=m, swap_space=swap_gib, **x)))  # fmt: skip
+                bench, workload, num_kv_blocks=b, preemption_mode=m, swap_space=swap_gib, **x)))
         reference = reference or r.token_ids
         recompute = recompute or (r if label == "recompute" else None)
         s = r.extra["stats"]
@@ -313,12 +313,12 @@ def pressure(bench) -> None:
                   by_swap=s.get("num_preemptions_swap"), by_partial=s.get("num_preemptions_partial"),
                   swapped_out_blocks=s.get("num_swapped_out_blocks"),
                   swapped_in_blocks=s.get("num_swapped_in_blocks"), recomputed_tokens=s.get("num_recomputed_tokens"),
-                  outputs_identical=r.token_ids == reference)  # fmt: skip
+                  outputs_identical=r.token_ids == reference)
     if not has_modes:
         table.notes.append("this engine has no preemption_mode option: only recompute preemption was measured")
     table.notes.append(f"swap space {swap_gib:.3g} GiB (room for every block); outputs compared with the ample run; "
                        f"times: median of {o.repeats} run(s), min-max in time_range_s; vs_recompute: how many times "
-                       "faster than whole recompute preemption, 'tie' where the time ranges overlap")  # fmt: skip
+                       "faster than whole recompute preemption, 'tie' where the time ranges overlap")
     bench.add_table("pressure", table)
     labels = [row["preemption_mode"] for row in table.rows]
     values = [row["output_tok_s"] for row in table.rows]
@@ -342,14 +342,14 @@ def serving(bench) -> None:
 def scheduler_overhead(bench) -> None:
     o = bench.options
     bench.describe(None, f"scheduler + block manager per decode step at {', '.join(map(str, o.overhead_sizes))} "
-                         "running sequences, model stubbed out")  # fmt: skip
+                         "running sequences, model stubbed out")
     table = Table("overhead: scheduler + block manager time per step (no model compute)", COLUMNS["overhead"])
     bar = bench.bar("overhead")
     for result in overhead.measure(bench.model, bench.tokenizer, o.overhead_sizes, o.overhead_real_sizes):
         share = result.share
         table.add(num_seqs=result.num_seqs, scheduler_ms_per_step=result.scheduler_ms,
                   real_step_ms=result.real_step_ms, share_of_step=share,
-                  meets_5pct_target=None if share is None else share <= 0.05)  # fmt: skip
+                  meets_5pct_target=None if share is None else share <= 0.05)
         if bar is not None:
             bar.update(1)
     table.notes.append("real_step_ms: median decode step of the real engine at that batch with short contexts "
@@ -369,7 +369,7 @@ def capacity(bench) -> None:
     lengths = [(r.num_prompt_tokens, r.max_tokens) for r in workload.requests]
     max_len = workload.max_len
     table = Table(f"capacity: sequences running at once in the KV budget of N contiguous reservations of "
-                  f"max_model_len={max_len}", COLUMNS["capacity"])  # fmt: skip
+                  f"max_model_len={max_len}", COLUMNS["capacity"])
     bar = bench.bar("capacity")
     for n in o.capacity_reservations:
         slots = n * max_len
@@ -379,7 +379,7 @@ def capacity(bench) -> None:
                   paged_peak=paged.peak, paged_mean=paged.mean_saturated, ratio_peak=paged.peak / contiguous.peak,
                   ratio_mean=paged.mean_saturated / contiguous.mean_saturated, paged_preemptions=paged.num_preemptions,
                   meets_3x_target=min(paged.peak / contiguous.peak, paged.mean_saturated / contiguous.mean_saturated)
-                  >= 3)  # fmt: skip
+                  >= 3)
         if bar is not None:
             bar.update(1)
     table.notes.append("bookkeeping only (no model): the real scheduler and block manager (block size "
@@ -392,7 +392,7 @@ def capacity(bench) -> None:
         path, "capacity: sequences at once, mean while requests wait", "KV budget (token slots)",
         "sequences", {"paged": ([r["kv_slots"] for r in rows], [r["paged_mean"] for r in rows]),
                       "contiguous": ([r["kv_slots"] for r in rows], [r["contiguous_mean"] for r in rows])},
-        logx=True))  # fmt: skip
+        logx=True))
 
 
 # -- decode attention against the memory ---------------------------------------------------------------------
@@ -410,14 +410,14 @@ def decode(bench) -> None:
     max_kv = int(o.decode_max_kv_gib * 2**30) if o.decode_max_kv_gib else decode_bench.physical_memory() // 4
     bench.describe(None, f"one decode step at batch {', '.join(map(str, o.decode_batch_sizes))} x context "
                          f"{', '.join(map(str, o.decode_contexts))}, {', '.join(o.decode_dtypes)}: attention "
-                         "against the machine's read bandwidth")  # fmt: skip
+                         "against the machine's read bandwidth")
     build = cpu_attention.load() if next(bench.model.parameters()).device.type == "cpu" else None
     bar = bench.bar("decode")
     if bar is not None:
         bar.reset(total=len(dtypes) * len(o.decode_batch_sizes) * len(o.decode_contexts))
     results, skipped = decode_bench.measure(bench.model, dtypes, o.decode_batch_sizes, o.decode_contexts,
                                             o.block_size, max(1, o.repeats), max_kv, clock=o.decode_clock,
-                                            probe_bytes=o.decode_probe_mib << 20, bar=bar)  # fmt: skip
+                                            probe_bytes=o.decode_probe_mib << 20, bar=bar)
     table = Table("decode: one engine decode step vs the same forward without attention", COLUMNS["decode"])
     for r in results:
         attention = r.attention_s()
@@ -429,7 +429,7 @@ def decode(bench) -> None:
                   attention_gb_s=r.kv_read_bytes / attention / 1e9 if attention > 0 else None,
                   read_gb_s=metrics.median(r.read_bandwidth) / 1e9, fraction_of_read=r.fraction(),
                   torch_path_ms=1e3 * r.median("torch path") if torch_path else None,
-                  torch_path_fraction=r.fraction("torch path") if torch_path else None)  # fmt: skip
+                  torch_path_fraction=r.fraction("torch path") if torch_path else None)
     kernel = "n/a (not CPU)" if build is None else (
         f"C++ kernel {'compiled' if build.compiled else 'loaded from cache'} in {build.seconds:.1f} s"
         if build.module is not None else f"C++ kernel unavailable ({build.error}): the torch path ran")
@@ -444,7 +444,7 @@ def decode(bench) -> None:
     ]
     if skipped:
         table.notes.append(f"skipped (KV cache over {max_kv / 2**30:.1f} GiB, --decode-max-kv-gib): "
-                           + "; ".join(skipped))  # fmt: skip
+                           + "; ".join(skipped))
     bench.add_table("decode", table)
 
 
@@ -452,4 +452,4 @@ RUNNERS = {
     "chat": chat, "nano-vllm": nano_vllm, "prefix": prefix, "sharing": sharing, "pressure": pressure,
     "serving": serving, "overhead": scheduler_overhead, "capacity": capacity, "decode": decode,
     "calibrate": calibrate_suite.run,
-}  # fmt: skip
+}

@@ -27,7 +27,7 @@ from pagedlab.bench.workloads import Workload
 _PREEMPTION_STATS = (
     "num_preemptions_recompute", "num_preemptions_swap", "num_preemptions_partial", "num_swapped_out_blocks",
     "num_swapped_in_blocks", "num_recomputed_tokens",
-)  # fmt: skip
+)
 
 
 @dataclass
@@ -99,12 +99,12 @@ def engine_config(**options):
 def run_pagedlab(
     model, tokenizer, workload: Workload, *, arrivals: Sequence[float] | None = None, params=None,
     repeats: int = 1, bar=None, system: str = "pagedlab", **options,
-) -> RunResult:  # fmt: skip
+) -> RunResult:
     """Run the workload on a fresh `LLMEngine` per repeat. `params(i, spec)` may give request i its own
     `SamplingParams` or `BeamSearchParams` (default greedy, ignore_eos, max_tokens = spec.max_tokens);
     `arrivals` are seconds after the start at which each request is added (default all at once)."""
     return _repeat(lambda: _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system, options),
-                   repeats)  # fmt: skip
+                   repeats)
 
 
 def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system, options) -> RunResult:
@@ -187,14 +187,14 @@ def _latencies(trace, step_times: list[float], arrived: dict[str, float]) -> dic
 
 
 def run_contiguous(model, tokenizer, workload: Workload, *, num_slots: int, max_model_len: int,
-                   max_batch_size: int, repeats: int = 1, bar=None) -> RunResult:  # fmt: skip
+                   max_batch_size: int, repeats: int = 1, bar=None) -> RunResult:
     """`ContiguousEngine`: each request reserves max_model_len slots; static batches of up to max_batch_size."""
     from pagedlab.contiguous import ContiguousEngine
     from pagedlab.sampling_params import SamplingParams
 
     def once() -> RunResult:
         engine = ContiguousEngine(model, tokenizer, num_slots=num_slots, max_model_len=max_model_len,
-                                  max_batch_size=max_batch_size, reserve="max_model_len")  # fmt: skip
+                                  max_batch_size=max_batch_size, reserve="max_model_len")
         prompts = [list(r.prompt_token_ids) for r in workload.requests]
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests]
         if bar is not None:
@@ -209,7 +209,7 @@ def run_contiguous(model, tokenizer, workload: Workload, *, num_slots: int, max_
         # live: every token a reservation holds, a finished request's included (as for hf-static's rows);
         # FragmentationReport.used alone counts only requests still running
         result.kv_per_step = [metrics.KVSample(r.reserved, r.used + r.held_after_finish, r.reserved, n)
-                              for r, n in zip(out.reports, out.num_running)]  # fmt: skip
+                              for r, n in zip(out.reports, out.num_running)]
         result.kv_utilization = metrics.utilization(result.kv_per_step)
         result.peak_kv_slots = max((k.allocated for k in result.kv_per_step), default=0)
         result.peak_num_seqs = out.peak_num_seqs
@@ -226,7 +226,7 @@ def run_contiguous(model, tokenizer, workload: Workload, *, num_slots: int, max_
 
 
 def run_hf_static(model, workload: Workload, *, batch_size: int, pad_token_id: int = 0, repeats: int = 1,
-                  bar=None) -> RunResult:  # fmt: skip
+                  bar=None) -> RunResult:
     """`model.generate` in static batches of `batch_size` in arrival order: left padding, greedy, every row
     generating the batch's longest output (EOS suppressed by min_new_tokens); each row's own length counts."""
     device = next(model.parameters()).device
@@ -249,7 +249,7 @@ def run_hf_static(model, workload: Workload, *, batch_size: int, pad_token_id: i
                 out = model.generate(
                     input_ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=longest,
                     min_new_tokens=longest, pad_token_id=pad_token_id,
-                )  # fmt: skip
+                )
             token_ids.extend(out[row, width : width + r.max_tokens].tolist() for row, r in enumerate(batch))
             kv.extend(metrics.static_batch_kv([r.num_prompt_tokens for r in batch], [r.max_tokens for r in batch]))
             if bar is not None:
@@ -265,7 +265,7 @@ def run_hf_static(model, workload: Workload, *, batch_size: int, pad_token_id: i
         result.steady_batch = batch_size
         result.token_ids = token_ids
         result.extra = {"batch_size": batch_size, "wasted_tokens": sum(
-            len(b) * max(r.max_tokens for r in b) for b in batches) - workload.num_output_tokens}  # fmt: skip
+            len(b) * max(r.max_tokens for r in b) for b in batches) - workload.num_output_tokens}
         return result
 
     return _repeat(once, repeats)
@@ -282,7 +282,7 @@ HF_CB_WARMUP_REQUESTS = 4
 
 
 def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_tokens: int, num_slots: int,
-              page_size: int = 16, repeats: int = 1, bar=None) -> RunResult:  # fmt: skip
+              page_size: int = 16, repeats: int = 1, bar=None) -> RunResult:
     """Hugging Face continuous batching over the same KV budget (`num_slots` tokens) and step budgets as
     pagedlab, one request per prompt with its own max_new_tokens and EOS disabled (eos_token_id=-1)."""
     from transformers import GenerationConfig
@@ -292,15 +292,15 @@ def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_t
         config = ContinuousBatchingConfig(
             page_size=page_size, num_blocks=max(num_slots // page_size, 1), max_batch_tokens=max_num_batched_tokens,
             max_requests_per_batch=max_num_seqs, allow_block_sharing=False, default_compile_level=0,
-        )  # fmt: skip
+        )
         generation_config = GenerationConfig(do_sample=False, max_new_tokens=workload.max_len, eos_token_id=-1,
-                                             pad_token_id=0)  # fmt: skip
+                                             pad_token_id=0)
         results = {}
         with model.continuous_batching_context_manager(generation_config=generation_config,
                                                        continuous_batching_config=config, block=True, timeout=5) as m:
             start = time.perf_counter()
             ids = [m.add_request(list(r.prompt_token_ids), request_id=f"r{i}", max_new_tokens=r.max_tokens,
-                                 eos_token_id=-1) for i, r in enumerate(requests)]  # fmt: skip
+                                 eos_token_id=-1) for i, r in enumerate(requests)]
             while len(results) < len(ids):
                 out = m.get_result(timeout=1)
                 if out is not None and out.is_finished():
@@ -323,7 +323,7 @@ def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_t
         result.steady_batch = None  # not observable from outside
         result.peak_kv_slots = config.num_blocks * page_size  # allocated up front
         result.extra = {"page_size": page_size, "num_blocks": config.num_blocks,
-                        "warmup_requests": HF_CB_WARMUP_REQUESTS}  # fmt: skip
+                        "warmup_requests": HF_CB_WARMUP_REQUESTS}
         return result
 
     return _repeat(once, repeats)

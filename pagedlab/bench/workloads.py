@@ -22,7 +22,7 @@ _WORDS = (
 _QUESTIONS = (
     "Explain in simple words", "Write a short story about", "Compare the following ideas:", "Summarise this:",
     "What would happen if", "Give three examples of", "Describe step by step", "Why do people say",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _chat_wrapper(tokenizer) -> tuple[list[int], list[int]]:
         return [], []
     marker = "\u2063MARK\u2063"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
+                                         add_generation_prompt=True)
     before, after = text.split(marker)
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []  # noqa: E731
     return encode(before), encode(after)
@@ -90,7 +90,7 @@ def output_lengths(num: int, mean: float, low: int, high: int, seed: int) -> lis
 
 
 def chat(tokenizer, vocab_size: int, num_requests: int = 128, seed: int = 0, prompt_len=(20, 400),
-         output_mean: float = 128, output_len=(16, 512)) -> Workload:  # fmt: skip
+         output_mean: float = 128, output_len=(16, 512)) -> Workload:
     """Chat-templated prompts of 20-400 tokens; outputs exponential with mean 128, clipped to [16, 512]."""
     rng = random.Random(seed)
     lengths = [rng.randint(*prompt_len) for _ in range(num_requests)]
@@ -100,7 +100,7 @@ def chat(tokenizer, vocab_size: int, num_requests: int = 128, seed: int = 0, pro
         "chat", tuple(RequestSpec(p, o) for p, o in zip(prompts, outputs)),
         f"{num_requests} chat prompts of {prompt_len[0]}-{prompt_len[1]} tokens, outputs exp(mean {output_mean}) "
         f"clipped to [{output_len[0]}, {output_len[1]}]",
-    )  # fmt: skip
+    )
 
 
 def nano_vllm(vocab_size: int, num_requests: int | None = None, scale: float = 1.0, seed: int = 0) -> Workload:
@@ -118,13 +118,13 @@ def nano_vllm(vocab_size: int, num_requests: int | None = None, scale: float = 1
 
 
 def shared_prefix(tokenizer, vocab_size: int, num_requests: int = 64, prefix_len: int = 400,
-                  question_len=(10, 40), max_tokens: int = 32, seed: int = 0) -> Workload:  # fmt: skip
+                  question_len=(10, 40), max_tokens: int = 32, seed: int = 0) -> Workload:
     """One system prompt of ~prefix_len tokens shared by every request, each with its own short question."""
     rng = random.Random(seed)
     if tokenizer is None:
         prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
         prompts = [tuple(prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(*question_len))])
-                   for _ in range(num_requests)]  # fmt: skip
+                   for _ in range(num_requests)]
     else:
         system = " ".join(rng.choice(_WORDS) for _ in range(prefix_len))
         system = tokenizer.decode(tokenizer.encode(system, add_special_tokens=False)[:prefix_len])
@@ -141,7 +141,7 @@ def shared_prefix(tokenizer, vocab_size: int, num_requests: int = 64, prefix_len
     return Workload(
         "prefix", tuple(RequestSpec(p, max_tokens) for p in prompts),
         f"{num_requests} questions behind one shared ~{prefix_len}-token system prompt, {max_tokens} tokens out",
-    )  # fmt: skip
+    )
 
 
 def random_prompts(vocab_size: int, num_requests: int, prompt_len: int, max_tokens: int, seed: int = 0) -> Workload:

@@ -90,11 +90,11 @@ class DraftTables:
             batch.append(ScheduledRequest(
                 rid, start, num_new, rid, tuple(tokens[start : start + num_new]),
                 tuple(self.kv.block_tables[rid].block_ids), (SamplingRequest(rid, GREEDY),) if reaches_end else (),
-            ))  # fmt: skip
+            ))
         return batch, new_blocks
 
     def advance(self, batch: Sequence[ScheduledRequest], sampled: Mapping[str, int], drafts: dict[str, list[int]],
-                requests: Mapping[str, DraftRequest]) -> None:  # fmt: skip
+                requests: Mapping[str, DraftRequest]) -> None:
         """A pass has run: its tokens' KV is held; each chunk that reached the end adds its draft."""
         for work in batch:
             rid = work.request_id

@@ -115,7 +115,7 @@ class KVCacheManager:
     def cache_full_blocks(
         self, request_id: str, num_computed_tokens: int, token_ids: Callable[[int, int], list[int]],
         cache_salt: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Hash the sequence's blocks that `num_computed_tokens` has filled, so that later requests hit them."""
         if not self.enable_prefix_caching:
             return

@@ -91,7 +91,7 @@ class Preemption:
 def preempt_group(
     group: Sequence[Request], mode: PreemptionMode, kv: KVCacheManager, swap_space: SwapSpace | None,
     cost_model: PreemptionCostModel | None,
-) -> Preemption:  # fmt: skip
+) -> Preemption:
     """Preempt the running sequences of one group, all of them, by `mode` ("auto" asks the cost model; a swap
     falls back to recompute when the CPU pool has no room)."""
     ids = [r.request_id for r in group]

@@ -134,7 +134,7 @@ class Request:
             request_id, self.prompt_token_ids, sampling_params, self.arrival_index, self.max_tokens,
             self.eos_token_ids, self.cache_salt, group_id=self.group_id, parent_id=self.request_id,
             sample_index=sample_index, beam_width=self.beam_width,
-        )  # fmt: skip
+        )
         child.output_token_ids = list(self.output_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.forked = True

@@ -274,7 +274,7 @@ class Scheduler(SchedulerState):
         return UpdateOutput(
             tuple(updates), tuple(forked), tuple(beam_ids), tuple(failed.items()), tuple(freed), tuple(verified),
             tuple(rolled_back),
-        )  # fmt: skip
+        )
 
     def _append(self, sequence: Request, token_id: int, updates: list[SequenceUpdate]) -> list[int]:
         sequence.append_token(token_id)
@@ -283,7 +283,7 @@ class Scheduler(SchedulerState):
         updates.append(SequenceUpdate(
             sequence.request_id, sequence.group_id, (token_id,), status.finish_reason if status else None,
             sequence.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
-        ))  # fmt: skip
+        ))
         return freed
 
     def _apply_beam_decision(self, decision: BeamDecision, forked: list, updates: list, freed: list) -> tuple:

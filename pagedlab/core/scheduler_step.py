@@ -63,7 +63,7 @@ class StepBuilder:
         self.scheduled.append(ScheduledRequest(
             request.request_id, start, num_new_tokens, request.group_id, tuple(request.token_ids(start, stop)),
             tuple(table.block_ids), sampling,
-        ))  # fmt: skip
+        ))
         if allocation.new_block_ids:
             self.allocated.append((request.request_id, allocation.new_block_ids))
         if allocation.copy is not None:
@@ -78,7 +78,7 @@ class StepBuilder:
         self.scheduled[index] = dataclasses.replace(
             work, num_new_tokens=work.num_new_tokens + len(draft_token_ids), token_ids=work.token_ids + draft_token_ids,
             block_ids=tuple(table.block_ids), num_spec_tokens=len(draft_token_ids),
-        )  # fmt: skip
+        )
         if allocation.new_block_ids:
             self.allocated.append((work.request_id, allocation.new_block_ids))
         self.evicted += allocation.evicted

@@ -84,7 +84,7 @@ def speculate(scheduler: Scheduler, step: StepBuilder, draft_token_ids: Mapping[
 def accept(
     scheduler: Scheduler, request: Request, work: ScheduledRequest, token_id: int, num_accepted: int,
     updates: list[SequenceUpdate],
-) -> tuple[list[int], Rollback]:  # fmt: skip
+) -> tuple[list[int], Rollback]:
     """After a verified step: append the accepted drafts and the token drawn after them (up to the first that
     finishes the sequence), mark their KV computed, and roll the table back over the rejected drafts' slots.
     Returns the blocks that became free and the rollback."""
@@ -110,5 +110,5 @@ def accept(
     updates.append(SequenceUpdate(
         request.request_id, request.group_id, tuple(new_token_ids), status.finish_reason if status else None,
         request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
-    ))  # fmt: skip
+    ))
     return freed, rollback

@@ -30,7 +30,7 @@ class SchedulerStats:
         self.spec_num_draft_tokens += num_draft_tokens
         self.spec_num_accepted_tokens += num_accepted
         for counts, n in ((self.spec_num_draft_tokens_per_pos, num_draft_tokens),
-                          (self.spec_num_accepted_tokens_per_pos, num_accepted)):  # fmt: skip
+                          (self.spec_num_accepted_tokens_per_pos, num_accepted)):
             counts.extend([0] * (num_draft_tokens - len(counts)))
             for i in range(n):
                 counts[i] += 1

@@ -82,7 +82,7 @@ class StepRecord:
     def build(
         cls, output: SchedulerOutput, update: UpdateOutput, state: SchedulerSnapshot, stopped: tuple = (),
         freed: tuple[int, ...] = (), duration_s: float = 0.0,
-    ) -> StepRecord:  # fmt: skip
+    ) -> StepRecord:
         """The record of one step: its decision, its update, and `stopped` (request_id, reason) sequences that the
         output processor finished (stop strings, errors) with the `freed` blocks they released."""
         return cls(

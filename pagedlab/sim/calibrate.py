@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedlab.sim.cost_model import FEATURES, StepCostModel, step_features
+from pagedlab.sim.cost_model import StepCostModel, step_features
 from pagedlab.sim.workload import Lengths, SimRequest, make_workload
 
 STEPS = StepCostModel.constant(1.0)  # replay's clock: a step that computes something lasts one "second"
 
 
 def replay(engine, requests: Sequence[SimRequest], cost_model: StepCostModel = STEPS,
-           on_step: Callable[[], None] | None = None) -> None:  # fmt: skip
+           on_step: Callable[[], None] | None = None) -> None:
     """Drive a real `LLMEngine` as `simulate` drives its own: request i (in arrival order) is added as "i" before
     the first step that starts at or after its arrival on a clock that advances by `cost_model`'s durations
     of the steps recorded so far; an idle engine jumps to the next arrival. Greedy, EOS ignored. Prompt token
@@ -42,7 +42,7 @@ def replay(engine, requests: Sequence[SimRequest], cost_model: StepCostModel = S
         while next_index < len(pending) and pending[next_index][1].arrival_s <= clock:
             spec = pending[next_index][1]
             params = SamplingParams(n=spec.n, temperature=1.0 if spec.n > 1 else 0.0, seed=next_index,
-                                    max_tokens=spec.output_len, ignore_eos=True)  # fmt: skip
+                                    max_tokens=spec.output_len, ignore_eos=True)
             prompt = [t % vocab_size for t in spec.prompt_token_ids]
             engine.add_request(str(next_index), {"prompt_token_ids": prompt}, params)
             next_index += 1
@@ -75,7 +75,7 @@ class StepTimes:
 
 
 def measure_steps(model, tokenizer, name: str, requests: Sequence[SimRequest], repeats: int = 3,
-                  **engine_config) -> tuple[StepTimes, object]:  # fmt: skip
+                  **engine_config) -> tuple[StepTimes, object]:
     """Run `requests` through a fresh engine `repeats` times (after one untimed warm-up step); return the step
     times and the last engine (its `cost_model` is the "auto" preemption measurement)."""
     from pagedlab.config import EngineConfig
@@ -143,7 +143,7 @@ def step_error(model: StepCostModel, times: StepTimes) -> StepError:
     errors = sorted(abs(p / m - 1) for p, m, f in zip(predicted, measured, times.features) if f[0] and m > 0)
     p90 = errors[min(len(errors) - 1, math.floor(0.9 * len(errors)))] if errors else math.nan
     return StepError(times.name, len(measured), sum(measured), sum(predicted),
-                     statistics.median(errors) if errors else math.nan, p90)  # fmt: skip
+                     statistics.median(errors) if errors else math.nan, p90)
 
 
 def noise(times: StepTimes) -> dict:
@@ -175,7 +175,7 @@ def fit_workloads(seed: int = 0, scale: float = 1.0) -> dict[str, tuple[tuple[Si
                     dict(enable_chunked_prefill=True, max_num_batched_tokens=512)),
         "long-context": (make_workload(n(8), request_rate=1.0, prompt_len=Lengths("uniform", low=900, high=1500),
                                        output_len=Lengths("fixed", n(48)), seed=seed + 2), {}),
-    }  # fmt: skip
+    }
 
 
 def validation_workloads(seed: int = 100, scale: float = 1.0) -> dict[str, tuple[tuple[SimRequest, ...], dict]]:
@@ -190,7 +190,7 @@ def validation_workloads(seed: int = 100, scale: float = 1.0) -> dict[str, tuple
                           dict(num_kv_blocks=80, preemption_mode="swap")),
         "pressure-recompute": (make_workload(n(12), prompt_len=chat, output_len=out, seed=seed + 1),
                                dict(num_kv_blocks=80, preemption_mode="recompute")),
-    }  # fmt: skip
+    }
 
 
 def serving_workload(seed: int = 200, scale: float = 1.0) -> tuple[SimRequest, ...]:

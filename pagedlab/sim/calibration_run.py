@@ -35,10 +35,10 @@ def serving_error(model, tokenizer, cost_model, repeats: int = 2, scale: float =
         real = cal.serve(model, tokenizer, requests, max_model_len=_max_len(requests), preemption_mode="recompute")
         if sim_values is None:  # the same engine settings: its KV pool, its max_model_len
             simulated = simulate(requests, cost_model=cost_model, num_kv_blocks=real["trace"].num_blocks,
-                                 max_model_len=_max_len(requests), preemption_mode="recompute")  # fmt: skip
+                                 max_model_len=_max_len(requests), preemption_mode="recompute")
             sim = metrics.latencies(simulated)
             sim_values = {"ttft_p50_s": metrics.median(sim.ttft_s), "tpot_p50_s": metrics.median(sim.tpot_s),
-                          "makespan_s": metrics.makespan(simulated)}  # fmt: skip
+                          "makespan_s": metrics.makespan(simulated)}
         times: dict[str, list[float]] = {rid: [] for rid in real["arrival_s"]}
         for record, end in zip(real["trace"], real["step_end_s"]):
             for sequence_id, _ in record.appended:
@@ -46,13 +46,13 @@ def serving_error(model, tokenizer, cost_model, repeats: int = 2, scale: float =
         ttft = [t[0] - real["arrival_s"][rid] for rid, t in times.items()]
         tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
         runs.append({"ttft_p50_s": metrics.median(ttft), "tpot_p50_s": metrics.median(tpot),
-                     "makespan_s": real["step_end_s"][-1] - min(real["arrival_s"].values())})  # fmt: skip
+                     "makespan_s": real["step_end_s"][-1] - min(real["arrival_s"].values())})
     return {"simulated": sim_values, "real": runs,
-            "error": {k: [sim_values[k] / run[k] - 1 for run in runs] for k in sim_values}}  # fmt: skip
+            "error": {k: [sim_values[k] / run[k] - 1 for run in runs] for k in sim_values}}
 
 
 def run_calibration(model, tokenizer, repeats: int = 3, scale: float = 1.0, seed: int = 0,
-                    progress: Callable[[str], None] | None = None) -> tuple[Calibration, dict]:  # fmt: skip
+                    progress: Callable[[str], None] | None = None) -> tuple[Calibration, dict]:
     """Measure, fit and validate (see the module docstring). Returns the calibration and the raw step times
     (name -> `StepTimes`) of every workload measured."""
     from pagedlab.bench.report import machine_info
@@ -64,7 +64,7 @@ def run_calibration(model, tokenizer, repeats: int = 3, scale: float = 1.0, seed
         for name, (requests, config) in workloads.items():
             say(f"calibrate: {group} {name}")
             measured[name], last = cal.measure_steps(model, tokenizer, name, requests, repeats,
-                                                     **{"max_model_len": _max_len(requests), **config})  # fmt: skip
+                                                     **{"max_model_len": _max_len(requests), **config})
             engine = last if last.cost_model is not None else engine
     p, bytes_per_block = engine.cost_model, engine.worker.bytes_per_block
     block_size = engine.config.block_size
@@ -80,7 +80,7 @@ def run_calibration(model, tokenizer, repeats: int = 3, scale: float = 1.0, seed
     calibration = Calibration(
         step_cost, preemption, bytes_per_block // block_size, machine_info(model),
         {name: cal.noise(times) for name, times in measured.items()}, {"steps": errors, "serving": serving},
-    )  # fmt: skip
+    )
     return calibration, measured
 
 
@@ -109,5 +109,5 @@ def error_summary(calibration: Calibration) -> str:
         f"token by {percents(serving['error']['tpot_p50_s'])}, and the time to serve everything by "
         f"{percents(serving['error']['makespan_s'])}. The repeats of one workload differed by up to {spread:.0%} "
         "in total time: that is the noise any comparison stands on.",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)

@@ -76,7 +76,7 @@ def simulate_contiguous(
     requests: Sequence[SimRequest], *, num_slots: int, max_model_len: int, cost_model: StepCostModel,
     max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, batching: str = "continuous",
     reserve: str = "max_model_len",
-) -> ContiguousTrace:  # fmt: skip
+) -> ContiguousTrace:
     """Run `requests` over an arena of `num_slots` contiguous token slots (see the module docstring)."""
     if batching not in ("continuous", "static"):
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
@@ -90,7 +90,7 @@ def simulate_contiguous(
         if length > max_model_len or need > num_slots or spec.num_prompt_tokens > max_num_batched_tokens:
             raise ValueError(f"request {index} ({spec.num_prompt_tokens} + {spec.output_len} tokens) can never run: "
                              f"max_model_len={max_model_len}, {num_slots} slots, a step of "
-                             f"{max_num_batched_tokens} tokens")  # fmt: skip
+                             f"{max_num_batched_tokens} tokens")
     allocator = ContiguousAllocator(num_slots)
     waiting: deque[_Sequence] = deque()
     batch: list[_Sequence] = []  # every sequence holding a reservation
@@ -142,7 +142,7 @@ def simulate_contiguous(
         if batching == "static" and all(s.finished for s in batch):
             _free(allocator, batch, list(batch))
         trace.steps.append(ContiguousStep(number, duration, report, len(waiting), len(running), reservations,
-                                          tuple(appended)))  # fmt: skip
+                                          tuple(appended)))
         trace.step_start_s.append(clock)
         clock += duration
     return trace

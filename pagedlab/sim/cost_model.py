@@ -88,7 +88,7 @@ class Calibration:
             return None
         p = self.preemption
         return PreemptionCostModel(self.kv_bytes_per_token * block_size, block_size, p.copy_bytes_per_s,
-                                   p.prefill_tokens_per_s)  # fmt: skip
+                                   p.prefill_tokens_per_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,7 +99,7 @@ class Calibration:
         return cls(
             StepCostModel(**data["step_cost"]), PreemptionCostModel(**preemption) if preemption else None,
             data.get("kv_bytes_per_token", 0), data.get("machine", {}), data.get("noise", {}), data.get("error", {}),
-        )  # fmt: skip
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")

@@ -58,7 +58,7 @@ class Settings:
             prompt_len=self.lengths(self.prompt_kind, self.prompt_mean),
             output_len=self.lengths(self.output_kind, self.output_mean),
             shared_prefix_fraction=self.shared_prefix_fraction, prefix_len=self.prefix_len, n=self.n, seed=self.seed,
-        )  # fmt: skip
+        )
 
     def max_model_len(self, requests: tuple[SimRequest, ...]) -> int:
         """The longest request: what a contiguous reservation of max_model_len holds."""
@@ -67,14 +67,14 @@ class Settings:
     def engine_config(self, requests: tuple[SimRequest, ...]) -> dict:
         longest_prompt = max(r.num_prompt_tokens for r in requests)
         budget = self.max_num_batched_tokens if self.enable_chunked_prefill else max(
-            self.max_num_batched_tokens, longest_prompt)  # fmt: skip
+            self.max_num_batched_tokens, longest_prompt)
         return dict(
             block_size=self.block_size, num_kv_blocks=max(1, self.kv_slots // self.block_size),
             max_model_len=self.max_model_len(requests), max_num_seqs=max(self.max_num_seqs, self.n),
             max_num_batched_tokens=budget, preemption_mode=self.preemption_mode,
             enable_partial_preemption=self.enable_partial_preemption,
             enable_chunked_prefill=self.enable_chunked_prefill, enable_prefix_caching=self.enable_prefix_caching,
-        )  # fmt: skip
+        )
 
     def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -98,13 +98,13 @@ def run(settings: Settings, calibration: Calibration | None = None) -> Compariso
     if config["max_model_len"] > capacity:
         raise ValueError(f"the KV budget of {settings.kv_slots} slots ({config['num_kv_blocks']} blocks of "
                          f"{settings.block_size}) cannot hold the longest request ({config['max_model_len']} "
-                         "tokens): raise kv_slots")  # fmt: skip
+                         "tokens): raise kv_slots")
     paged = simulate(requests, calibration=calibration, **config)
     contiguous = simulate_contiguous(  # on the same slots: if the paged cache holds a request, this does too
         requests, num_slots=settings.kv_slots, max_model_len=config["max_model_len"],
         cost_model=calibration.step_cost, max_num_seqs=config["max_num_seqs"],
         max_num_batched_tokens=max(settings.max_num_batched_tokens, max(r.num_prompt_tokens for r in requests)),
         batching=settings.contiguous_batching, reserve=settings.contiguous_reserve,
-    )  # fmt: skip
+    )
     return Comparison(settings, requests, paged, contiguous)
 

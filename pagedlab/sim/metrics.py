@@ -126,7 +126,7 @@ def kv_breakdown(trace) -> dict[str, list[int]]:
     for record in trace.steps:
         report = record.report
         values = (report.used, getattr(report, "held_after_finish", 0), report.reservation_waste,
-                  report.internal_fragmentation, report.external_fragmentation)  # fmt: skip
+                  report.internal_fragmentation, report.external_fragmentation)
         for category, value in zip(KV_CATEGORIES, values):
             series[category].append(value)
     return series
@@ -156,6 +156,6 @@ def waiting_and_running(trace) -> tuple[list[int], list[int]]:
     computing in each step."""
     if hasattr(trace, "num_blocks"):
         running = [len({t.request_id for s in r.scheduled for t in s.sampling} | {s.request_id for s in r.scheduled})
-                   for r in trace.steps]  # fmt: skip
+                   for r in trace.steps]
         return [len(r.waiting) + len(r.swapped) for r in trace.steps], running
     return [r.num_waiting for r in trace.steps], [r.num_running for r in trace.steps]

@@ -73,7 +73,7 @@ class SimEngine:
 
     def __init__(self, config: EngineConfig, cost_model: StepCostModel,
                  preemption_cost_model: PreemptionCostModel | None = None, kv_bytes_per_token: int = 0,
-                 beam_seed: int = 0) -> None:  # fmt: skip
+                 beam_seed: int = 0) -> None:
         self.config = config
         self.cost_model = cost_model
         num_blocks = config.num_kv_blocks
@@ -106,10 +106,10 @@ class SimEngine:
             sampling = BEAM_SAMPLING
         else:
             sampling = SamplingParams(n=spec.n, temperature=1.0 if spec.n > 1 else 0.0, seed=self.num_arrivals,
-                                      max_tokens=spec.output_len, ignore_eos=True)  # fmt: skip
+                                      max_tokens=spec.output_len, ignore_eos=True)
         request = Request(self.scheduler.unique_id(request_id), token_ids, sampling, self.num_arrivals,
                           room if spec.beam_width else max_tokens, group_id=request_id,
-                          beam_width=spec.beam_width)  # fmt: skip
+                          beam_width=spec.beam_width)
         self.scheduler.add_request(request)
         if spec.beam_width:
             self.beams.add(request_id, request.request_id, spec.beam_width, max_tokens)
@@ -152,7 +152,7 @@ def simulate(
     requests: Sequence[SimRequest], *, cost_model: StepCostModel | None = None,
     calibration: Calibration | None = None, preemption_cost_model: PreemptionCostModel | None = None,
     beam_seed: int = 0, max_steps: int | None = None, **engine_config,
-) -> SimTrace:  # fmt: skip
+) -> SimTrace:
     """Run `requests` through the engine's scheduler and block manager with made-up tokens; return the trace.
 
     engine_config: `EngineConfig` fields (num_kv_blocks is required, or kv_cache_memory). Step durations come
@@ -167,7 +167,7 @@ def simulate(
     if preemption_cost_model is None and PreemptionMode(config.preemption_mode) == PreemptionMode.AUTO:
         preemption_cost_model = calibration.preemption_cost_model(config.block_size)
     engine = SimEngine(config, cost_model, preemption_cost_model,
-                       calibration.kv_bytes_per_token if calibration else 0, beam_seed)  # fmt: skip
+                       calibration.kv_bytes_per_token if calibration else 0, beam_seed)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     _check_all(engine, [requests[i] for i in order])
     trace, clock, next_arrival = engine.trace, 0.0, 0
@@ -196,19 +196,19 @@ def check_request(spec: SimRequest, config: EngineConfig) -> None:
     num_tokens = spec.num_prompt_tokens
     if num_tokens + 1 > config.max_model_len:
         raise ValueError(f"the prompt has {num_tokens} tokens; with one generated token that exceeds "
-                         f"max_model_len={config.max_model_len}")  # fmt: skip
+                         f"max_model_len={config.max_model_len}")
     num_blocks = cdiv(num_tokens + 1, config.block_size)
     if num_blocks > config.num_kv_blocks:
         raise ValueError(f"the prompt needs {num_blocks} KV blocks but the whole cache has {config.num_kv_blocks}")
     if num_tokens > config.max_num_batched_tokens and not config.enable_chunked_prefill:
         raise ValueError(f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens="
-                         f"{config.max_num_batched_tokens}; raise it or enable chunked prefill")  # fmt: skip
+                         f"{config.max_num_batched_tokens}; raise it or enable chunked prefill")
     if spec.beam_width > config.max_num_seqs:
         raise ValueError(f"beam_width={spec.beam_width} is more than max_num_seqs={config.max_num_seqs}: its beams "
-                         "could never run at once; lower beam_width or raise max_num_seqs")  # fmt: skip
+                         "could never run at once; lower beam_width or raise max_num_seqs")
     if spec.n > config.max_num_seqs:
         raise ValueError(f"SamplingParams n={spec.n} is more than max_num_seqs={config.max_num_seqs}: its samples "
-                         "could never run at once; lower n or raise max_num_seqs")  # fmt: skip
+                         "could never run at once; lower n or raise max_num_seqs")
 
 
 def _check_all(engine: SimEngine, requests: Sequence[SimRequest]) -> None:

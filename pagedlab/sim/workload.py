@@ -39,7 +39,7 @@ class SimRequest:
             raise ValueError(f"SimRequest.arrival_s must be >= 0, got {self.arrival_s}")
         if self.n < 1 or self.beam_width < 0 or (self.n > 1 and self.beam_width):
             raise ValueError(f"SimRequest: n >= 1 and beam_width >= 0, not both > 1; got n={self.n}, "
-                             f"beam_width={self.beam_width}")  # fmt: skip
+                             f"beam_width={self.beam_width}")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,7 +103,7 @@ def make_workload(
     prompt_len: Lengths = Lengths("uniform", low=32, high=512), output_len: Lengths = Lengths("exponential", 128,
     low=8, high=512), shared_prefix_fraction: float = 0.0, prefix_len: int = 256, n: int = 1, beam_width: int = 0,
     seed: int = 0,
-) -> tuple[SimRequest, ...]:  # fmt: skip
+) -> tuple[SimRequest, ...]:
     """A seeded workload. A `shared_prefix_fraction` of the requests start with one common prefix of
     `prefix_len` tokens (a system prompt) before their own `prompt_len` tokens; the others have none. Prompt
     token ids are random, so that no two prompts share a block by chance."""
@@ -122,5 +122,5 @@ def make_workload(
         own = tuple(rng.choices(vocab, k=prompt_len.sample(rng, "prompt")))
         shared = rng.random() < shared_prefix_fraction
         requests.append(SimRequest(prefix + own if shared else own, output_len.sample(rng, "output"), arrival, n,
-                                   beam_width))  # fmt: skip
+                                   beam_width))
     return tuple(requests)

@@ -43,7 +43,7 @@ class DraftModelProposer:
         self, model: torch.nn.Module, num_speculative_tokens: int, num_blocks: int, block_size: int,
         max_num_batched_tokens: int, enable_prefix_caching: bool = False, seed: int = 0,
         attention_backend: str = "torch",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model = model
         self.k = num_speculative_tokens
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -26,4 +26,4 @@ def make_proposer(config: EngineConfig, target, num_blocks: int, attention_backe
     return DraftModelProposer(
         draft, k, DraftModelProposer.num_blocks_for(num_blocks, config.max_num_seqs, k, config.block_size),
         config.block_size, config.max_num_batched_tokens, config.enable_prefix_caching, config.seed, attention_backend,
-    )  # fmt: skip
+    )

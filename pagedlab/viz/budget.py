@@ -19,7 +19,7 @@ DECODE_COLOR, PREFILL_COLOR, DURATION_COLOR = "#0072B2", "#E69F00", "#000000"
 
 
 def draw_step_tokens(trace: Trace, budget: int | None = None, ax: Axes | None = None,
-                     show_duration: bool = False) -> Figure:  # fmt: skip
+                     show_duration: bool = False) -> Figure:
     """Bars of decode and prefill tokens per step of `trace`, the budget line, and optionally step times."""
     step(trace, 0)  # refuses an empty trace
     steps = [r.step for r in trace.steps]
@@ -29,17 +29,17 @@ def draw_step_tokens(trace: Trace, budget: int | None = None, ax: Axes | None = 
     width = 0.9 if len(steps) < 200 else 1.0
     ax.bar(steps, decode, width=width, color=DECODE_COLOR, label="decode tokens", gid="tokens-decode")
     ax.bar(steps, prefill, width=width, bottom=decode, color=PREFILL_COLOR, label="prefill tokens",
-           gid="tokens-prefill")  # fmt: skip
+           gid="tokens-prefill")
     if budget is not None:
         ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget ({budget} tokens)",
-                   gid="tokens-budget")  # fmt: skip
+                   gid="tokens-budget")
     ax.set(xlabel="step", ylabel="tokens in the step", xlim=(steps[0] - 0.6, steps[-1] + 0.6))
     ax.set_title("tokens per step: decodes and prefills", fontsize=9)
     handles, labels = ax.get_legend_handles_labels()
     if show_duration:
         right = ax.twinx()
         right.plot(steps, [1e3 * r.duration_s for r in trace.steps], color=DURATION_COLOR, marker=".",
-                   markersize=3, linewidth=0.8, label="step time (ms)", gid="tokens-duration")  # fmt: skip
+                   markersize=3, linewidth=0.8, label="step time (ms)", gid="tokens-duration")
         right.set_ylabel("step time (ms)")
         right.set_ylim(bottom=0)
         more_handles, more_labels = right.get_legend_handles_labels()

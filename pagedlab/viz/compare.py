@@ -29,7 +29,7 @@ def draw_kv_breakdown(trace, ax: Axes | None = None, title: str = "", series: di
     times = trace.step_end_s
     shown = [c for c in metrics.KV_CATEGORIES if any(series[c])] or ["used"]
     ax.stackplot(times, [[v / total for v in series[c]] for c in shown], labels=shown,
-                 colors=[KV_COLORS[c] for c in shown], step="post", linewidth=0)  # fmt: skip
+                 colors=[KV_COLORS[c] for c in shown], step="post", linewidth=0)
     used = metrics.time_average(trace, series["used"]) / total
     ax.set_title(f"{title}: {used:.0%} of the KV slots hold live tokens (time-averaged)", fontsize=9)
     ax.set_ylim(0, 1)
@@ -81,7 +81,7 @@ def draw_cdf(traces: dict, field: str, ax: Axes | None = None) -> Figure:
         values = sorted(getattr(metrics.latencies(trace), field))
         if values:
             ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                    color=SYSTEM_COLORS[name], label=f"{name}: median {metrics.median(values):.3g} s")  # fmt: skip
+                    color=SYSTEM_COLORS[name], label=f"{name}: median {metrics.median(values):.3g} s")
     ax.set_xlabel(f"{label} (s)", fontsize=8)
     ax.set_ylabel("share of requests", fontsize=8)
     ax.set_ylim(0, 1.02)
@@ -97,7 +97,7 @@ def draw_preemptions(traces: dict, ax: Axes | None = None) -> Figure:
         counts = metrics.num_preemptions(trace)
         for j, kind in enumerate(kinds):
             ax.bar(j + 0.38 * i - 0.19, counts[kind], width=0.36, color=SYSTEM_COLORS[name],
-                   label=name if j == 0 else None)  # fmt: skip
+                   label=name if j == 0 else None)
             ax.text(j + 0.38 * i - 0.19, counts[kind], str(counts[kind]), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(kinds)), kinds, fontsize=8)
     ax.set_ylabel("preempted sequences", fontsize=8)
@@ -125,7 +125,7 @@ def render_comparison(comparison) -> Figure:
             total += len(record.appended)
             cumulative[name].append(total)
     _lines(axes[1][2], traces, cumulative, "output tokens", "throughput: " + ", ".join(
-        f"{name} {metrics.output_throughput(trace):.0f} tok/s" for name, trace in traces.items()))  # fmt: skip
+        f"{name} {metrics.output_throughput(trace):.0f} tok/s" for name, trace in traces.items()))
     draw_cdf(traces, "ttft_s", axes[2][0])
     draw_cdf(traces, "tpot_s", axes[2][1])
     draw_preemptions(traces, axes[2][2])
@@ -134,7 +134,7 @@ def render_comparison(comparison) -> Figure:
         f"{len(comparison.requests)} requests at {s.request_rate:.3g}/s; KV budget {s.kv_slots} slots, block size "
         f"{s.block_size}; max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens}; "
         f"preemption {s.preemption_mode}", fontsize=10,
-    )  # fmt: skip
+    )
     return fig
 
 
@@ -182,13 +182,13 @@ def draw_arena(trace, index: int, ax: Axes | None = None) -> Figure:
     for i, (_, start, length, used) in enumerate(record.reservations):
         color = OKABE_ITO[i % len(OKABE_ITO)]
         ax.add_collection(PatchCollection(list(boxes(start, length)), facecolors=mix(color, "#FFFFFF", 0.65),
-                                          edgecolors="white", linewidths=0.5))  # fmt: skip
+                                          edgecolors="white", linewidths=0.5))
         ax.add_collection(PatchCollection(list(boxes(start, used)), facecolors=color, linewidths=0))
     ax.set_xlim(0, width)
     ax.set_ylim(-rows, 0)
     ax.axis("off")
     ax.set_title(f"contiguous arena after step {record.step}: {len(record.reservations)} reservations, "
-                 f"{record.report.used} slots hold running tokens of {trace.num_slots}", fontsize=9)  # fmt: skip
+                 f"{record.report.used} slots hold running tokens of {trace.num_slots}", fontsize=9)
     return ax.figure
 
 

@@ -112,7 +112,7 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
             text = (f"seq {rid} verified {k} draft token{'s' if k > 1 else ''} with its newest token (tokens "
                     f"{first}-{last}): accepted {accepted}"
                     + (f", rolled back slots {slots}" if slots else "")
-                    + f", emitted {', '.join(_token(t, tokenizer) for t in emitted.get(rid, ()))}")  # fmt: skip
+                    + f", emitted {', '.join(_token(t, tokenizer) for t in emitted.get(rid, ()))}")
             events.append(text)
             continue
         if rid in sampled:
@@ -121,7 +121,7 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
     for parent, child in record.forked:
         shared = next((len(t.block_ids) for t in record.block_tables if t.request_id == child), 0)
         events.append(f"seq {child} forked from {parent} (shares its {shared} blocks), sampled "
-                      f"{_token(sampled[child], tokenizer) if child in sampled else 'nothing yet'}")  # fmt: skip
+                      f"{_token(sampled[child], tokenizer) if child in sampled else 'nothing yet'}")
     for rid, reason in record.finished:
         if reason == "pruned":
             events.append(f"seq {rid} pruned (no beam continues it)")

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from pagedlab.core.trace import Trace
-from pagedlab.viz._common import new_axes, step
+from pagedlab.viz._common import new_axes
 from pagedlab.viz.palette import OKABE_ITO
 
 
@@ -56,7 +56,7 @@ def request_times(trace: Trace) -> dict[str, RequestTimes]:
 
 
 def draw_latency(samples: Mapping[str, Sequence[float]], ax: Axes | None = None, title: str = "latency",
-                 unit: str = "ms", log: bool = False) -> Figure:  # fmt: skip
+                 unit: str = "ms", log: bool = False) -> Figure:
     """Empirical CDFs of the named lists of seconds, with each median (dot) and p99 (triangle) marked."""
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     ax = new_axes(ax, 7.0, 3.5)
@@ -68,7 +68,7 @@ def draw_latency(samples: Mapping[str, Sequence[float]], ax: Axes | None = None,
         ys = np.arange(1, len(xs) + 1) / len(xs)
         p50, p99 = np.percentile(xs, 50), np.percentile(xs, 99)
         ax.step(xs, ys, where="post", color=color, label=f"{label}: p50 {p50:.3g}, p99 {p99:.3g} {unit}",
-                gid=f"latency-{i}")  # fmt: skip
+                gid=f"latency-{i}")
         ax.plot([p50], [0.5], "o", color=color, markersize=5)
         ax.plot([p99], [0.99], "^", color=color, markersize=6)
     if log:

@@ -85,7 +85,7 @@ class Player:
         last = len(self.indices) - 1
         self.play = widgets.Play(value=0, min=0, max=last, step=1, interval=800, description="play")
         self.slider = widgets.IntSlider(value=0, min=0, max=last, step=1, description="frame",
-                                        continuous_update=True)  # fmt: skip
+                                        continuous_update=True)
         widgets.jslink((self.play, "value"), (self.slider, "value"))
         self.image = widgets.Image(format="png", layout=widgets.Layout(width="760px"))
         self.image.add_class("pagedlab-frame")

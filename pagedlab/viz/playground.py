@@ -63,7 +63,7 @@ def summary(comparison: Comparison) -> str:
             f"median TTFT {metrics.median(latencies.ttft_s):.2f} s, "
             f"median TPOT {metrics.median(latencies.tpot_s):.3f} s, {used:.0%} of the KV slots in use, "
             f"{preempted} preemptions"
-        )  # fmt: skip
+        )
     return "\n".join(lines)
 
 
@@ -107,7 +107,7 @@ class Playground:
             "enable_prefix_caching": w.Checkbox(value=s.enable_prefix_caching, description="prefix caching"),
             "contiguous_batching": w.ToggleButtons(options=("continuous", "static"), value=s.contiguous_batching,
                                                    description="contiguous batching"),
-        }  # fmt: skip
+        }
         for name, control in self.controls.items():
             control.style = wide
             control.layout = w.Layout(width="330px")
@@ -120,13 +120,13 @@ class Playground:
         self.plots = w.Image(format="png", layout=w.Layout(width="1040px"))
         self.plots.add_class("pagedlab-playground-plots")
         self.step = w.IntSlider(value=0, min=0, max=0, description="step", continuous_update=False,
-                                layout=w.Layout(width="700px"))  # fmt: skip
+                                layout=w.Layout(width="700px"))
         self.pool = w.Image(format="png", layout=w.Layout(width="880px"))
         self.pool.add_class("pagedlab-playground-pool")
         self.arena = w.Image(format="png", layout=w.Layout(width="880px"))
         controls = w.GridBox(list(self.controls.values()), layout=w.Layout(grid_template_columns="repeat(3, 340px)"))
         self.widget = w.VBox([controls, w.HBox([self.run_button, self.status]), self.plots, self.step, self.pool,
-                              self.arena])  # fmt: skip
+                              self.arena])
         self.widget.add_class("pagedlab-playground")
         self.run_button.on_click(lambda _: self.run())
         self.step.observe(lambda change: self.show_step(change["new"]), names="value")

@@ -34,7 +34,7 @@ def grid_columns(num_blocks: int) -> int:
 
 
 def _draw_grid(ax, gid, num_blocks, ncols, block_size, owners, colors, top, cached=(), new=(), labels=True, *,
-               left=0.0, unit=1.0, fontsize=7.0):  # fmt: skip
+               left=0.0, unit=1.0, fontsize=7.0):
     """Draw one pool of `num_blocks` cells of side `unit`, `ncols` a row, its top-left corner at (left, top);
     return the number of rows."""
     nrows = math.ceil(num_blocks / ncols)
@@ -52,21 +52,21 @@ def _draw_grid(ax, gid, num_blocks, ncols, block_size, owners, colors, top, cach
         if holders and fill < block_size:
             frac = fill / block_size
             empties.append(Rectangle((x + (0.05 + 0.9 * frac) * unit, y + 0.05 * unit), 0.9 * (1 - frac) * unit,
-                                     0.9 * unit))  # fmt: skip
+                                     0.9 * unit))
         if labels:
             ink = text_color(face)
             ax.text(x + 0.5 * unit, y + 0.5 * unit, str(block_id), ha="center", va="center", fontsize=fontsize,
-                    color=ink, gid=f"{gid}-id")  # fmt: skip
+                    color=ink, gid=f"{gid}-id")
             if len(holders) > 1:
                 ax.text(x + 0.93 * unit, y + 0.08 * unit, f"x{len(holders)}", ha="right", va="bottom",
-                        fontsize=fontsize - 1, color=ink, fontweight="bold", gid=f"{gid}-refcount")  # fmt: skip
+                        fontsize=fontsize - 1, color=ink, fontweight="bold", gid=f"{gid}-refcount")
     ax.add_collection(PatchCollection(cells, facecolors=faces, edgecolors=edges, linewidths=widths, gid=gid))
     ax.add_collection(PatchCollection(empties, facecolors="white", alpha=0.6, linewidths=0, gid=f"{gid}-empty"))
     if cached:
         xs = [left + (b % ncols + 0.8) * unit for b in cached]
         ys = [top - (b // ncols + 1 - 0.8) * unit for b in cached]
         ax.scatter(xs, ys, marker="v", s=(14 if labels else 4) * unit**2, color="black", linewidths=0,
-                   gid=f"{gid}-cached")  # fmt: skip
+                   gid=f"{gid}-cached")
     return nrows
 
 
@@ -88,7 +88,7 @@ def pool_rows(trace: Trace) -> float:
 
 
 def draw_pool_at(ax: Axes, trace: Trace, index: int, *, left: float = 0.0, top: float = 0.0, unit: float = 1.0,
-                 fontsize: float = 7.0, gid: str = "pool") -> float:  # fmt: skip
+                 fontsize: float = 7.0, gid: str = "pool") -> float:
     """Draw the GPU pool (and the CPU pool once the trace swapped) after step `index` with its top-left corner
     at (left, top) in cells of side `unit`; return the height drawn (`pool_rows(trace) * unit`)."""
     record = step(trace, index)
@@ -99,16 +99,16 @@ def draw_pool_at(ax: Axes, trace: Trace, index: int, *, left: float = 0.0, top: 
     new = {b for _, blocks in record.allocated for b in blocks} | {copy for _, _, copy in record.copied}
     owners = owners_of(record.block_tables, size)
     nrows = _draw_grid(ax, gid, trace.num_blocks, ncols, size, owners, colors, top, record.cached_blocks, new,
-                       labels, left=left, unit=unit, fontsize=fontsize)  # fmt: skip
+                       labels, left=left, unit=unit, fontsize=fontsize)
     num_cpu = cpu_blocks_to_draw(trace)
     if num_cpu:
         shown = "" if num_cpu == trace.num_cpu_blocks else f", first {num_cpu} of {trace.num_cpu_blocks}"
         ax.text(left, top - (nrows + 0.75) * unit, f"CPU swap pool{shown}", fontsize=fontsize + 1, va="center",
-                gid=f"cpu-{gid}-title")  # fmt: skip
+                gid=f"cpu-{gid}-title")
         cpu_owners = owners_of(record.cpu_block_tables, size)
         cpu_new = {cpu for _, pairs in record.swapped_out for _, cpu in pairs}
         _draw_grid(ax, f"cpu-{gid}", num_cpu, ncols, size, cpu_owners, colors, top - (nrows + 1.1) * unit,
-                   new=cpu_new, labels=num_cpu <= COMPACT_ABOVE, left=left, unit=unit, fontsize=fontsize)  # fmt: skip
+                   new=cpu_new, labels=num_cpu <= COMPACT_ABOVE, left=left, unit=unit, fontsize=fontsize)
     return pool_rows(trace) * unit
 
 
@@ -158,7 +158,7 @@ def draw_block_pool(trace: Trace, index: int, ax: Axes | None = None, *, legend:
     ax.axis("off")
     used = trace.num_blocks - record.num_free_blocks
     ax.set_title(f"step {record.step}: {used}/{trace.num_blocks} blocks in use, {trace.block_size} slots each",
-                 fontsize=9)  # fmt: skip
+                 fontsize=9)
     handles = legend_handles(marks_present(trace, index)) if legend else []
     if handles:
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=3, fontsize=7, frameon=False)

@@ -40,12 +40,12 @@ def draw_queues(trace: Trace, index: int, ax: Axes | None = None) -> Figure:
             dashed = rid in preempted and not done
             box = FancyBboxPatch((col + 0.08, y + 0.12), 0.84, 0.76, boxstyle="round,pad=0,rounding_size=0.12",
                                  facecolor="white" if done else color, edgecolor="black" if dashed else color,
-                                 linestyle="--" if dashed else "-", linewidth=1.2, gid=f"queue-{name}")  # fmt: skip
+                                 linestyle="--" if dashed else "-", linewidth=1.2, gid=f"queue-{name}")
             ax.add_patch(box)
             label = f"{rid}\n{finished[rid]}" if done else rid
             size = 6 if done else 7 if len(label) < 6 else 5.5
             ax.text(col + 0.5, y + 0.5, label, ha="center", va="center", fontsize=size, linespacing=0.9,
-                    color="#555555" if done else text_color(color), gid=f"queue-{name}-label")  # fmt: skip
+                    color="#555555" if done else text_color(color), gid=f"queue-{name}-label")
         if len(items) > MAX_PER_LANE:
             ax.text(MAX_PER_LANE + 0.1, y + 0.5, f"+{len(items) - MAX_PER_LANE}", va="center", fontsize=7)
     ax.set_xlim(-0.1, MAX_PER_LANE + 0.6)

@@ -61,7 +61,7 @@ def frame_notes(trace: Trace, index: int) -> list[str]:
     notes = [f"{rid} preempted ({'swap' if rid in swapped_out else 'recompute'})" for rid in record.preempted]
     notes += [f"{rid} swapped in" for rid, _ in record.swapped_in]
     notes += [f"{s.request_id} prefilled {s.num_new_tokens} tokens" for s in record.scheduled
-              if s.request_id not in previous and s.num_new_tokens > 1]  # fmt: skip
+              if s.request_id not in previous and s.num_new_tokens > 1]
     children: dict[str, list[str]] = {}
     for parent, child in record.forked:
         children.setdefault(parent, []).append(child)
@@ -128,21 +128,21 @@ def static_strip(trace: Trace, indices: Sequence[int] | None = None) -> Figure:
         left, top = 0.2 + col * (width + GAP), -0.1 - row * (height + 0.5)
         used = trace.num_blocks - record.num_free_blocks
         ax.text(left, top - 0.45, f"step {record.step}: {used}/{trace.num_blocks} blocks in use", fontsize=FONT + 1.5,
-                fontweight="bold", va="center", gid="strip-title")  # fmt: skip
+                fontweight="bold", va="center", gid="strip-title")
         y = top - 0.9
         y -= draw_pool_at(ax, trace, index, left=left, top=y, unit=unit, fontsize=pool_font, gid=f"strip-pool-{k}")
         y -= 0.35
         _, rows = draw_tables_at(ax, trace, index, left=left + label_w, top=y, max_columns=MAX_TABLE_COLUMNS,
                                  max_rows=MAX_TABLE_ROWS, fontsize=FONT, detail=False, header="logical",
-                                 gid=f"strip-tables-{k}")  # fmt: skip
+                                 gid=f"strip-tables-{k}")
         y -= 0.6 + rows + 0.25
         for line_no, line in enumerate(notes[k]):
             ax.text(left, y - 0.55 * line_no - 0.27, line, fontsize=FONT, va="center", color="#222222",
-                    gid="strip-note")  # fmt: skip
+                    gid="strip-note")
     handles = legend_handles(marks)
     if handles:
         ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.2 / fig_w, 0.1 / fig_h), ncol=len(handles),
-                  fontsize=FONT, frameon=False, borderaxespad=0, handlelength=1.5, columnspacing=1.2)  # fmt: skip
+                  fontsize=FONT, frameon=False, borderaxespad=0, handlelength=1.5, columnspacing=1.2)
     ax.set_xlim(0, fig_w)
     ax.set_ylim(-fig_h, 0)
     ax.axis("off")

@@ -44,7 +44,7 @@ def shown_columns(longest: int, max_columns: int) -> list[int | None]:
 
 def draw_tables_at(ax: Axes, trace: Trace, index: int, *, left: float = 0.0, top: float = 0.0,
                    max_columns: int = MAX_COLUMNS, max_rows: int = MAX_ROWS, fontsize: float = 7.0, detail: bool = True,
-                   header: str = "logical block", gid: str = "tables") -> tuple[int, int]:  # fmt: skip
+                   header: str = "logical block", gid: str = "tables") -> tuple[int, int]:
     """Draw step `index`'s block tables with logical block 0's cell at x = left, the header row (`header`,
     then the logical block numbers) just below y = top, one cell a row (the sequence ids hang left of
     `left`); return (columns, table rows) drawn, "+n more" included. detail: each row ends "9 tok, last 1/4"
@@ -58,14 +58,14 @@ def draw_tables_at(ax: Axes, trace: Trace, index: int, *, left: float = 0.0, top
     if rows:
         for col, logical in enumerate(columns):
             ax.text(left + col + 0.5, top - 0.3, "…" if logical is None else str(logical), ha="center",
-                    va="center", fontsize=fontsize, color=grey, gid=f"{gid}-logical")  # fmt: skip
+                    va="center", fontsize=fontsize, color=grey, gid=f"{gid}-logical")
         ax.text(left - 0.15, top - 0.3, header, ha="right", va="center", fontsize=fontsize, color=grey)
     cells, faces, empties = [], [], []
     for row, (table, where) in enumerate(shown):
         y = top - 0.6 - row - 1
         color = colors.get(table.request_id, FREE_COLOR)
         ax.text(left - 0.15, y + 0.5, f"{table.request_id}{where}", ha="right", va="center", fontsize=fontsize + 1,
-                color="black", fontweight="bold", gid=f"{gid}-seq")  # fmt: skip
+                color="black", fontweight="bold", gid=f"{gid}-seq")
         blocks = table.block_ids
         for col, logical in enumerate(columns):
             x = left + col
@@ -73,7 +73,7 @@ def draw_tables_at(ax: Axes, trace: Trace, index: int, *, left: float = 0.0, top
                 num_hidden = min(len(blocks), columns[col + 1]) - columns[col - 1] - 1
                 if num_hidden > 0:
                     ax.text(x + 0.5, y + 0.5, f"+{num_hidden}", ha="center", va="center", fontsize=fontsize,
-                            gid=f"{gid}-cut")  # fmt: skip
+                            gid=f"{gid}-cut")
                 continue
             if logical >= len(blocks):
                 break
@@ -83,14 +83,14 @@ def draw_tables_at(ax: Axes, trace: Trace, index: int, *, left: float = 0.0, top
             if fill < size:
                 empties.append(Rectangle((x + 0.05 + 0.9 * fill / size, y + 0.08), 0.9 * (1 - fill / size), 0.84))
             ax.text(x + 0.5, y + 0.5, str(blocks[logical]), ha="center", va="center", fontsize=fontsize,
-                    color=text_color(color), gid=f"{gid}-block")  # fmt: skip
+                    color=text_color(color), gid=f"{gid}-block")
         last = block_fill(table, len(blocks) - 1, size) if blocks else 0
         tokens = f"{table.num_tokens} tok, last {last}/{size}" if detail else f"{table.num_tokens} tok"
         ax.text(left + len(columns) + 0.1, y + 0.5, tokens, ha="left", va="center", fontsize=fontsize,
-                color="#333333", gid=f"{gid}-tokens")  # fmt: skip
+                color="#333333", gid=f"{gid}-tokens")
     if hidden > 0:
         ax.text(left - 0.15, top - 0.6 - len(shown) - 0.5, f"+{hidden} more", ha="right", va="center",
-                fontsize=fontsize)  # fmt: skip
+                fontsize=fontsize)
     if not rows:
         ax.text(left, top - 1.1, "no block tables", ha="left", va="center", fontsize=fontsize, color=grey)
     ax.add_collection(PatchCollection(cells, facecolors=faces, edgecolors="white", linewidths=0.6, gid=gid))

@@ -94,6 +94,6 @@ def draw_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
         (preempted, Line2D([], [], marker="x", color="black", linestyle="", label="preempted")),
         (finished, Line2D([], [], marker="|", color="black", linestyle="", markersize=9, label="finished")),
         (pruned, Line2D([], [], marker="|", color="#888888", linestyle="", markersize=9, label="pruned (beam)")),
-    ] if shown]  # fmt: skip
+    ] if shown]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
     return ax.figure

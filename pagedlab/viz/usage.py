@@ -36,15 +36,15 @@ def draw_kv_usage(trace: Trace, ax: Axes | None = None) -> Figure:
     if any(usage["cached_free"]):
         top = [u + c for u, c in zip(usage["used"], usage["cached_free"])]
         ax.fill_between(steps, usage["used"], top, step="mid", color=CACHED_COLOR, alpha=0.35, linewidth=0,
-                        label="free but cached (prefix cache)", gid="usage-cached")  # fmt: skip
+                        label="free but cached (prefix cache)", gid="usage-cached")
     if any(usage["cpu_used"]):
         ax.step(steps, usage["cpu_used"], where="mid", color=CPU_COLOR, linestyle="--", label="CPU swap blocks in use",
-                gid="usage-cpu")  # fmt: skip
+                gid="usage-cpu")
     ax.axhline(trace.num_blocks, color="black", linewidth=0.8, label=f"device pool ({trace.num_blocks} blocks)")
     preempted = [(r.step, trace.num_blocks - r.num_free_blocks) for r in trace.steps if r.preempted]
     if preempted:
         ax.scatter(*zip(*preempted), marker="x", color="black", s=30, zorder=3, label="preemption",
-                   gid="usage-preempted")  # fmt: skip
+                   gid="usage-preempted")
     ax.set(xlabel="step", ylabel="KV blocks", ylim=(0, 1.08 * max(trace.num_blocks, max(usage["cpu_used"]))))
     ax.set_title("KV blocks over steps", fontsize=9)
     ax.legend(fontsize=7, loc="lower right", framealpha=0.9)

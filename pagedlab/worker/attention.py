@@ -115,7 +115,7 @@ class PagedAttentionContext:
 def write_to_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
     k_scale=None, v_scale=None,
-) -> None:  # fmt: skip
+) -> None:
     """Store K and V of the new tokens ([num_tokens, kv_heads, head_dim]) into their flat slots; into a float8
     cache quantised by k_scale / v_scale (as bytes: torch has no float8 index_copy_ on CPU)."""
     num_kv_heads, head_dim = key.shape[1:]
@@ -153,7 +153,7 @@ BUCKET_TOKENS = 2048
 def decode_buckets(
     block_tables: torch.Tensor, context_lens: list[int], block_size: int, sliding_window: int | None, device,
     slack: float = BUCKET_SLACK, max_tokens: int = BUCKET_TOKENS,
-) -> list[DecodeBucket]:  # fmt: skip
+) -> list[DecodeBucket]:
     """Split the decode rows, in their order, into runs whose padded gather stays close to their live keys.
 
     A run grows while padding its rows to whole blocks of its longest row costs at most `slack` more keys than
@@ -189,7 +189,7 @@ def decode_buckets(
 
 def bucketed_decode_attention(
     query, key_cache, value_cache, buckets: list[DecodeBucket], scale, out=None, k_scale=None, v_scale=None
-):  # fmt: skip
+):
     """`decode_attention` bucket by bucket: the same result, without padding every row to the longest.
 
     query [num_decodes, q_heads, head_dim] -> out [num_decodes, q_heads, head_dim]. This is the torch path's
@@ -211,7 +211,7 @@ def bucketed_decode_attention(
 
 def decode_attention(
     query, key_cache, value_cache, metadata: AttentionMetadata, scale, sliding_window, k_scale=None, v_scale=None
-):  # fmt: skip
+):
     """query [num_decodes, q_heads, head_dim] -> [num_decodes, q_heads, head_dim].
 
     Each KV head serves `group = q_heads // kv_heads` query heads; they are laid out as `group` query rows of
@@ -231,7 +231,7 @@ def decode_attention(
 
 def prefill_attention(
     query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale, sliding_window, k_scale=None, v_scale=None
-):  # fmt: skip
+):
     """One request's new tokens: query [n, q_heads, head_dim], its own key/value [n, kv_heads, head_dim].
 
     The tensors go to SDPA with a batch dimension of 1: on CPU, torch 2.13 runs 4-D inputs 1.3-2.5x faster

@@ -90,14 +90,14 @@ def load() -> KernelBuild:
         _clear_stale_lock(directory / "lock")
         flags = compiler_flags()
         module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                    build_directory=str(directory), verbose=False)  # fmt: skip
+                                    build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, no OpenMP, no ninja, a read-only home...: the torch path runs
         message = _first_error(error)
         warnings.warn(
             f"pagedlab: the C++ CPU attention kernel could not be built ({message}); decode attention runs on "
             "the slower torch path (gather + SDPA). Install a C++ compiler with OpenMP (gcc, g++) to use it.",
             RuntimeWarning, stacklevel=2,
-        )  # fmt: skip
+        )
         return KernelBuild(None, message, time.perf_counter() - start, False)
     seconds = time.perf_counter() - start
     logger.info("C++ CPU attention kernel %s in %.1f s (%s)", "compiled" if compiled else "loaded", seconds, directory)
@@ -165,5 +165,5 @@ def paged_decode_cpu(
     block_tables = block_tables.to(torch.long).contiguous()  # no copy when they already are
     context_lens = context_lens.to(torch.long).contiguous()
     module.paged_decode(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
-                        int(sliding_window or 0))  # fmt: skip
+                        int(sliding_window or 0))
     return out

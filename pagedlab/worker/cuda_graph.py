@@ -91,7 +91,7 @@ class DecodeGraphs:
     def __init__(
         self, forward: Callable, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int, block_size: int,
         graph_class: type = CudaGraph,
-    ) -> None:  # fmt: skip
+    ) -> None:
         device = kv_cache.device
         self.forward = forward
         self.kv_cache = kv_cache

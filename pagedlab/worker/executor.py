@@ -142,7 +142,7 @@ class MultiprocExecutor:
                 target=worker_main, name=f"pagedlab-tp-rank{rank}", daemon=True,
                 args=(rank, self.size, path, dtype, rank_device, config, ("127.0.0.1", self._store.port), theirs,
                       num_threads),
-            )  # fmt: skip
+            )
             process.start()
             theirs.close()
             self.processes.append(process)
@@ -196,7 +196,7 @@ class MultiprocExecutor:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(f"rank(s) {sorted(pending)} did not answer {what!r} within {self.timeout:g} s "
-                           f"(distributed_timeout): hung")  # fmt: skip
+                           f"(distributed_timeout): hung")
             sentinels = {self.processes[rank].sentinel: rank for rank in pending}
             ready = wait([*pending.values(), *sentinels], timeout=remaining)
             for rank, connection in list(pending.items()):

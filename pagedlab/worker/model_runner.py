@@ -87,7 +87,7 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, seed: int,
         attention_backend: str = "torch",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model = model
         self.attention_backend = attention_backend
         self.device = next(model.parameters()).device
@@ -164,7 +164,7 @@ class ModelRunner:
             out: SamplerOutput = self.sampler(logits[sampled_rows] if beam_rows else logits, sampling)
             beam_logprobs = torch.log_softmax(logits[beam_rows].float(), dim=-1) if beam_rows else None
             checks = verify(verify_logits, [(verified[t.request_id].spec_token_ids, t) for t, _ in to_verify],
-                            self.sampler) if to_verify else []  # fmt: skip
+                            self.sampler) if to_verify else []
         sampled = {target.request_id: token_id for target, token_id in zip(sampling, out.token_ids)}
         logprobs = {t.request_id: lp for t, lp in zip(sampling, out.logprobs) if lp is not None}
         beams = {targets[i].request_id: beam_logprobs[j] for j, i in enumerate(beam_rows)}

@@ -243,4 +243,4 @@ def tensor_parallel_cost(config, size: int, dtype_bytes: int = 2) -> TensorParal
     return TensorParallelCost(
         size, weights * dtype_bytes, layers * 2 * (kv_heads // size) * head_dim * dtype_bytes, 2 * layers + 1,
         reduce_bytes, reduce_bytes * 2 * (size - 1) // size,
-    )  # fmt: skip
+    )

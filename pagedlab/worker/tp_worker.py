@@ -83,7 +83,7 @@ class RankWorker:
             spec, config.block_size, device, num_kv_blocks=config.num_kv_blocks,
             kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
             max_useful_tokens=config.max_num_seqs * wanted_len,
-        ))  # fmt: skip
+        ))
         dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=mesh.get_group())
         # CUDA graphs would have to record the collectives too: tensor-parallel steps run eagerly.
         rank_config = dataclasses.replace(config, num_kv_blocks=int(num_blocks), enforce_eager=True)
@@ -101,7 +101,7 @@ class RankWorker:
         return RankInfo(
             self.rank, worker.num_blocks, worker.num_cpu_blocks, worker.config.max_model_len, worker.bytes_per_block,
             self.kv_cache_bytes(), self.kv_heads, worker.attention_backend, worker.cost_model,
-        )  # fmt: skip
+        )
 
     def execute_model(self, output: SchedulerOutput, forget: list[str]) -> ModelRunnerOutput:
         self.worker.forget(forget)

@@ -83,7 +83,7 @@ class Worker:
             self.spec, config.block_size, self.device, num_kv_blocks=config.num_kv_blocks,
             kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
             max_useful_tokens=config.max_num_seqs * wanted_len,
-        )  # fmt: skip
+        )
         capacity = num_blocks * config.block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(
@@ -97,7 +97,7 @@ class Worker:
             num_blocks * self.spec.bytes_per_block(config.block_size) / 2**20, self.device,
             str(self.dtype).removeprefix("torch."), str(self.spec.dtype).removeprefix("torch."),
             self.spec.bytes_per_token, GiB // self.spec.bytes_per_token, max_model_len,
-        )  # fmt: skip
+        )
         return num_blocks, max_model_len
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -127,7 +127,7 @@ def _check_players(page, problems: Problems) -> None:
         missing = [
             part
             for part, selector in [("play button", PLAY_BUTTON), ("slider", SLIDER_HANDLE), ("picture", FRAME),
-                                   ("event text", EVENTS)]  # fmt: skip
+                                   ("event text", EVENTS)]
             if not player.locator(selector).count()
         ]
         if missing:
@@ -199,9 +199,9 @@ def _check_playgrounds(page, problems: Problems) -> None:
         # A run first says "running…", then "run N: ..." (or an error) once it has drawn: seconds on a busy machine.
         if not wait_for(page, lambda: status.inner_text() != said or plots.screenshot() != before, timeout=15):
             problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
-                         "(nothing happened within 15 s)")  # fmt: skip
+                         "(nothing happened within 15 s)")
             continue
         wait_for(page, lambda: "running" not in status.inner_text(), timeout=120, interval=1.0)
         if not wait_for(page, lambda: plots.screenshot() != before, timeout=5, interval=0.5):
             problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
-                         f"(status: {status.inner_text()[:300]!r})")  # fmt: skip
+                         f"(status: {status.inner_text()[:300]!r})")

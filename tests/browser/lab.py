@@ -91,7 +91,7 @@ class JupyterLab:
             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root_dir}",
             "--ServerApp.terminals_enabled=False",
             "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: read the notebook model, not pixels
-        ]  # fmt: skip
+        ]
         if os.geteuid() == 0:  # CI containers run as root; the server refuses that unless told
             command.append("--allow-root")
         self.log_path = self._tmp / "server.log"
@@ -99,7 +99,7 @@ class JupyterLab:
             self._proc = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, so that stopping it cannot miss a child
-            )  # fmt: skip
+            )
         try:
             self._wait_until_up()
         except BaseException:

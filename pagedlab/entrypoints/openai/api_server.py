@@ -86,7 +86,7 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedlab",
-                "root": model_name, "max_model_len": getattr(engine, "max_model_len", None)}  # fmt: skip
+                "root": model_name, "max_model_len": getattr(engine, "max_model_len", None)}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -180,7 +180,7 @@ def _uvicorn_server(app: FastAPI, log_level: str):
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               sock: socket.socket | None = None) -> None:  # fmt: skip
+               sock: socket.socket | None = None) -> None:
     """Serve in the foreground (on `sock` if given) until SIGINT or SIGTERM, then shut down cleanly."""
     sock = sock if sock is not None else bind_socket(host, port)
     _uvicorn_server(app, log_level).run(sockets=[sock])
@@ -199,7 +199,7 @@ class ServerThread:
         self.url = f"http://{host}:{self.port}"
         self._server = _uvicorn_server(app, log_level)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True,
-                                        name=f"pagedlab-serve-{self.port}")  # fmt: skip
+                                        name=f"pagedlab-serve-{self.port}")
 
     def start(self, timeout: float = 60.0) -> ServerThread:
         self._thread.start()

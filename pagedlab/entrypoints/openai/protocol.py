@@ -72,7 +72,7 @@ class _SamplingRequest(OpenAIBaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
-        )  # fmt: skip
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -68,12 +68,12 @@ class OpenAIServingChat(OpenAIServing):
             {"index": j, "message": {"role": "assistant", "content": texts[j]},
              "logprobs": self._logprobs(request, token_ids[j], logprobs[j]), "finish_reason": finish[j]}
             for j in sorted(texts)
-        ]  # fmt: skip
+        ]
         num_output = sum(len(t) for t in token_ids.values())
         return {
             "id": request_id, "object": "chat.completion", "created": self.created(), "model": self.model_name,
             "choices": choices, "usage": usage(len(stream.prompt_token_ids or ()), num_output),
-        }  # fmt: skip
+        }
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int], logprobs: list) -> dict | None:
         if not request.logprobs:
@@ -87,7 +87,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             for j in range(request.n):
                 yield sse(head | {"choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                                               "logprobs": None, "finish_reason": None}]})
             async for output in stream:
                 raise_if_failed(output)
                 for c in output.outputs:
@@ -97,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
                     delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                     yield sse(head | {"choices": [{"index": c.index, "delta": delta,
                                                    "logprobs": self._logprobs(request, c.token_ids, c.logprobs or []),
-                                                   "finish_reason": c.finish_reason}]})  # fmt: skip
+                                                   "finish_reason": c.finish_reason}]})
             if request.include_usage:
                 yield sse(head | {"choices": [], "usage": usage(len(stream.prompt_token_ids or ()), num_output)})
         except Exception as error:  # noqa: BLE001 - the status line is sent: report in the stream

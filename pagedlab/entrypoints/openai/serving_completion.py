@@ -67,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return {
             "id": request_id, "object": "text_completion", "created": self.created(), "model": self.model_name,
             "choices": choices, "usage": usage(num_prompt, num_output),
-        }  # fmt: skip
+        }
 
     async def _stream(self, request: CompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
         n, created = request.n, self.created()
@@ -84,11 +84,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice_logprobs = None
                     if request.logprobs is not None:
                         choice_logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
-                                                                   offsets[k])  # fmt: skip
+                                                                   offsets[k])
                     offsets[k] += len(c.text)
                     num_output += len(c.token_ids)
                     yield sse(head | {"choices": [{"index": k, "text": c.text, "logprobs": choice_logprobs,
-                                                   "finish_reason": c.finish_reason}]})  # fmt: skip
+                                                   "finish_reason": c.finish_reason}]})
             if request.include_usage:
                 num_prompt = sum(len(s.prompt_token_ids or ()) for s in streams)
                 yield sse(head | {"choices": [], "usage": usage(num_prompt, num_output)})

@@ -21,7 +21,7 @@ from pagedlab.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from pagedlab.outputs import RequestOutput
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                500: "internal_server_error", 503: "service_unavailable"}  # fmt: skip
+                500: "internal_server_error", 503: "service_unavailable"}
 
 
 class OpenAIError(Exception):
@@ -59,7 +59,7 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                              "model", "model_not_found")  # fmt: skip
+                              "model", "model_not_found")
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -103,7 +103,7 @@ class OpenAIServing:
         return text
 
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int,
-                            text_offset: int) -> dict:  # fmt: skip
+                            text_offset: int) -> dict:
         """OpenAI's legacy format: tokens, token_logprobs, top_logprobs, text_offset."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in zip(token_ids, logprobs):
@@ -122,7 +122,7 @@ class OpenAIServing:
         for token_id, entry in zip(token_ids, logprobs):
             top = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
             content.append(self._chat_token(token_id, entry.get(token_id)) | {
-                "top_logprobs": [self._chat_token(t, lp) for t, lp in top]})  # fmt: skip
+                "top_logprobs": [self._chat_token(t, lp) for t, lp in top]})
         return {"content": content}
 
     def _chat_token(self, token_id: int, logprob: float | None) -> dict:
