@@ -114,6 +114,12 @@ CASES = {
 }
 
 
+def simulate_as(engine, requests, config: EngineConfig):
+    """`simulate` with the engine's configuration (as given) and its preemption cost model."""
+    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
+    return simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_simulator_records_the_engines_trace(model, case):
     options, workload_options, expected = CASES[case]
@@ -121,8 +127,7 @@ def test_simulator_records_the_engines_trace(model, case):
     config = EngineConfig(**{"max_model_len": 64, "max_num_batched_tokens": 64, "preemption_mode": "recompute",
                              "max_trace_steps": None, **options})
     engine = run_engine(model, requests, config)
-    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
-    trace = simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
+    trace = simulate_as(engine, requests, config)
     assert_same_trace(engine, trace)
     assert events(trace) >= expected, f"the case does not exercise {expected - events(trace)}"
 
@@ -169,8 +174,7 @@ def test_simulator_records_the_engines_trace_random(model, case):
     requests = workload(**workload_options)
     config = EngineConfig(**{"max_model_len": 64, "max_trace_steps": None, **options})
     engine = run_engine(model, requests, config)
-    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
-    trace = simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
+    trace = simulate_as(engine, requests, config)
     assert_same_trace(engine, trace)
 
 
@@ -187,8 +191,7 @@ def test_simulator_agrees_with_pagedlab_replay(model, case):
     config = EngineConfig(**{"max_model_len": 64, "max_num_batched_tokens": 64, "preemption_mode": "recompute",
                              "max_trace_steps": None, **options})
     engine = LLMEngine(model, None, config)
-    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
-    simulated = simulate(requests, cost_model=STEP, preemption_cost_model=engine.cost_model, **fields)
+    simulated = simulate_as(engine, requests, config)
     assert all(r.scheduled for r in simulated), "the workload idles: arrival seconds are not step numbers"
     arrivals = [Arrival(int(r.arrival_s) + 1, str(i), r.prompt_token_ids,
                         SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, seed=i, max_tokens=r.output_len,

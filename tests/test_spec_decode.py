@@ -2,7 +2,7 @@
 proposals, across block sizes, arrival patterns, preemption, prefix caching and chunked prefill; exact rollback;
 the acceptance counters; the rejection-sampling rule checked statistically.
 
-# Explained in chapters/11_speculative_decoding.ipynb
+# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ looked for earlier in the prompt and output; the tokens that followed the latest
 It pays where outputs copy their input (summaries, edits, answers quoting a document) and costs little
 elsewhere: no match, no drafts. Pure Python over token ids.
 
-# Explained in chapters/11_speculative_decoding.ipynb
+# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
 """
 
 from __future__ import annotations

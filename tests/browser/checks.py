@@ -134,10 +134,15 @@ def _check_players(page, problems: Problems) -> None:
             problems.add(f"{name} rendered without its {', '.join(missing)}")
             continue
         frame = player.locator(FRAME).first
-        if not wait_for(page, lambda: frame.evaluate("img => img.complete && img.naturalWidth > 0"), timeout=10):
+        if not image_loaded(page, frame):
             problems.add(f"{name}: the picture never loaded")
             continue
         _check_play(page, player, name, problems)
+
+
+def image_loaded(page, image, timeout: float = 10) -> bool:
+    """Whether the <img> `image` finishes loading a picture within `timeout` seconds."""
+    return wait_for(page, lambda: image.evaluate("img => img.complete && img.naturalWidth > 0"), timeout=timeout)
 
 
 def _check_play(page, player, name: str, problems: Problems) -> None:
@@ -182,7 +187,7 @@ def _check_playgrounds(page, problems: Problems) -> None:
             problems.add(f"{name} rendered without its {', '.join(missing)}")
             continue
         plots = panel.locator(PLAYGROUND_PLOTS).first
-        if not wait_for(page, lambda: plots.evaluate("img => img.complete && img.naturalWidth > 0"), timeout=10):
+        if not image_loaded(page, plots):
             problems.add(f"{name}: the plots never loaded")
             continue
         before = plots.screenshot()
