@@ -89,6 +89,15 @@ def test_build_name_changes_with_the_source(monkeypatch, tmp_path):
     assert cpu_attention.build_name() != name
 
 
+def test_build_name_differs_between_checkouts(monkeypatch, tmp_path):
+    """The same source in another checkout gets its own build: sharing one, each load recompiled it."""
+    name = cpu_attention.build_name()
+    copy = tmp_path / "paged_decode_cpu.cpp"
+    copy.write_text(cpu_attention.SOURCE.read_text())
+    monkeypatch.setattr(cpu_attention, "SOURCE", copy)
+    assert cpu_attention.build_name() != name
+
+
 def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tmp_path):
     """No compiler: one warning, and decoding runs on the torch path with the same tokens."""
     from pagedlab import LLMEngine

@@ -65,9 +65,12 @@ def _cpu_signature() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: one per source text, flags, torch version and CPU, so a cache never goes stale."""
+    """The extension's name: one per source text, flags, torch version and CPU, so a cache never goes stale; and
+    per source path, because torch's build file names the source by its path: two checkouts sharing one name
+    would each see the other's build file and recompile (half a minute) on every load."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_text(), " ".join(compiler_flags()), torch.__version__, _cpu_signature()):
+    for part in (SOURCE.read_text(), str(SOURCE.resolve()), " ".join(compiler_flags()), torch.__version__,
+                 _cpu_signature()):
         digest.update(part.encode())
     return f"pagedlab_paged_decode_cpu_{digest.hexdigest()[:16]}"
 
