@@ -10,7 +10,7 @@ to copy). Each (workload, batch) runs every config in turn, `--rounds` times int
 time: on a shared CPU the spread between rounds is printed too, and a speed-up inside it is noise. Every config
 must give the tokens the run without speculation gives (`same_tokens`).
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 proposals, across block sizes, arrival patterns, preemption, prefix caching and chunked prefill; exact rollback;
 the acceptance counters; the rejection-sampling rule checked statistically.
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ draft token later) and draws the next draft greedily from its last row (`next_pa
 the drafting are the same rule. Only committed tokens are hashed for prefix caching, so a rollback never cuts
 into a cached block. Pure Python: the proposer in `pagedlab.spec_decode.draft_model` runs the passes.
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The model scores every row of the chunk; the worker accepts the longest prefix o
 plus one token of its own. `accept` appends them and rolls the table back over the rejected drafts' slots
 (`KVCacheManager.rollback`): 2 of 3 accepted -> positions 5-7 stay computed, slot 8 (block 12) is freed.
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

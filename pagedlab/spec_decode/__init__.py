@@ -4,7 +4,7 @@ draft model on its own paged KV cache), which the target model verifies in its n
 The core decides how many drafts each decode verifies and rolls back the rejected ones
 (`pagedlab.core.speculation`); the worker scores and accepts them (`pagedlab.worker.rejection_sampler`).
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from pagedlab.spec_decode.config import SpeculativeConfig

@@ -4,7 +4,7 @@
                             "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     LLM(speculative_config={"method": "draft_model", "model": "path/or/hub-id", "num_speculative_tokens": 4})
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ brought in step with the target's sequences before every proposal. A proposal is
 drafting sequences together: the first computes what the draft has not seen yet (the tokens the target accepted
 last step, or a whole prompt) and draws draft 1; each later pass feeds back the previous draft and draws the next.
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

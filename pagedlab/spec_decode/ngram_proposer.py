@@ -9,7 +9,7 @@ looked for earlier in the prompt and output; the tokens that followed the latest
 It pays where outputs copy their input (summaries, edits, answers quoting a document) and costs little
 elsewhere: no match, no drafts. Pure Python over token ids.
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

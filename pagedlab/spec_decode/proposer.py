@@ -1,6 +1,6 @@
 """Build the proposer a `SpeculativeConfig` asks for, beside an engine's target model and KV cache.
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

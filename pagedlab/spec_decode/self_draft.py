@@ -8,7 +8,7 @@ cache is the draft's own. Whether its guesses are good enough to pay is a measur
     draft = self_draft(model, num_layers=6)
     LLM(model, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ its predecessor was accepted, so a sequence with its own seed consumes its rando
 speculation, one draw per token: greedy or seeded, speculation changes no token (up to floating-point rounding
 between the chunk and decode attention paths).
 
-# Described in README.md, "Speculative decoding" (its chapter, 11, is still to be written)
+# Explained in chapters/11_speculative_decoding.ipynb
 """
 
 from __future__ import annotations
