@@ -7,7 +7,10 @@ chat workload's sequences running at once in one fixed budget (pagedlab's schedu
 Accuracy, against the same model with a float32 cache: perplexity over the first --num-tokens tokens of English
 text that ships with Python (pydoc_data), the mean KL divergence of the next-token distributions, the share of
 positions whose argmax agrees, and greedy agreement over chat prompts (tokens before the first divergence), for
-e4m3 and e5m2 with scales of 1.0 and with scales calculated from the first batch. The README quotes the output.
+e4m3 and e5m2 with scales of 1.0 and with scales calculated from the first batch. The README quotes the output;
+docs/bench/kv_cache_dtype.txt stores it.
+
+# Explained in chapters/10_quantised_kv.ipynb
 """
 
 from __future__ import annotations

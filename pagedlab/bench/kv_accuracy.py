@@ -5,7 +5,9 @@ model runner and paged cache, for perplexity and the KL divergence from a full-p
 cache (what chunked prefill does: every query reads the stored, possibly quantised, K and V of all tokens before
 it), and yields each chunk's next-token log-probabilities. `compare(reference, candidate, token_ids)` runs two
 engines over the same text in step and returns perplexities, the mean KL(reference || candidate) per token and
-the share of positions whose argmax agrees. Described in README.md, "Quantised KV cache (FP8)".
+the share of positions whose argmax agrees.
+
+# Explained in chapters/10_quantised_kv.ipynb
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ with `calculate_kv_scales` each layer's scales are set once, from the first batc
 leaving 2x headroom for later tokens, like vLLM's K/V scale constants of 200 and 100 against e4m3's 448).
 Scales are per layer, so swapping, copy-on-write and prefix caching move float8 blocks and nothing else.
 
-# Described in README.md, "Quantised KV cache (FP8)" (its chapter, 10, is still to be written)
+# Explained in chapters/10_quantised_kv.ipynb
 """
 
 from __future__ import annotations
