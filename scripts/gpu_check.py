@@ -19,9 +19,9 @@ figure that comes from its first run, which prints the tables and writes them to
     # gpu_check: <GPU name>, <SMs> SMs, torch <version>, triton <version>
     # decode: 32 query heads / 8 KV heads, head_dim 128, bfloat16, block_size 16
     # device-to-device copy: <GB/s> GB/s (bytes read + bytes written, 1 GiB copy)
-    | batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel |
-    |------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:|
-    |     1 |     512 | <path>  |       ... |  ... |     ... |   ... |        ... |     ... |           ... |
+    | batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel | fp8 us | bf16 / fp8 |
+    |------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:|-------:|-----------:|
+    |     1 |     512 | <path>  |       ... |  ... |     ... |   ... |        ... |     ... |           ... |    ... |        ... |
     ...
 
    batch, context: the decode batch and every sequence's context length; path: what `use_split_k` picked
@@ -30,6 +30,9 @@ figure that comes from its first run, which prints the tables and writes them to
    (the roofline: decode reads each cached byte once, so 1.0 is the ceiling); v1 us and split-K us: both
    versions forced, to check the rule; SDPA us: torch's fused attention over the contiguous K/V;
    SDPA / kernel > 1 means the paged kernel is faster. Small rows may be launch-bound, far below 1.0 "of copy".
+   fp8 us: the same kernel (the path `use_split_k` picked) over the cache stored as float8 e4m3 with scales of
+   1.0 (`kv_cache_dtype="fp8"`), checked against SDPA over the dequantised K/V; bf16 / fp8 is the speed-up
+   from reading half the bytes (2.0 at most, where the step is bound by reading the cache).
 
 3. Runs the embedded SmolLM2 (bfloat16) through the engine on 64 random-token prompts of 20-400 tokens with 128
    greedy output tokens each (EOS ignored), once with decode steps replayed from CUDA graphs and once with
@@ -123,8 +126,10 @@ def benchmark(device_name: str = "cuda") -> list[str]:
         f"# decode: {NUM_Q_HEADS} query heads / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, bfloat16, "
         f"block_size {BLOCK_SIZE}",
         f"# device-to-device copy: {copy_bw / 1e9:.0f} GB/s (bytes read + bytes written, 1 GiB copy)",
-        "| batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel |",
-        "|------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:|",
+        "| batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel "
+        "| fp8 us | bf16 / fp8 |",
+        "|------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:"
+        "|-------:|-----------:|",
     ]
     print("\n".join(lines), flush=True)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -159,17 +164,28 @@ def benchmark(device_name: str = "cuda") -> list[str]:
             split_us = gpu_time_us(lambda: kernel(True))
             sdpa_us = gpu_time_us(sdpa)
             kernel_us = split_us if auto else v1_us
+            # the cache in float8 e4m3 (scales 1.0: randn fits its range), against SDPA on the dequantised K/V
+            fp8 = torch.float8_e4m3fn
+            key_fp8, value_fp8 = key_cache.to(fp8), value_cache.to(fp8)
+            kv_scales = torch.ones(2, dtype=torch.float32, device=device)
+            expected_fp8 = F.scaled_dot_product_attention(query[:, :, None], key.to(fp8).to(dtype),
+                                                          value.to(fp8).to(dtype), scale=scale, enable_gqa=True)
+            torch.testing.assert_close(
+                paged_decode(query, key_fp8, value_fp8, block_tables, context_lens, scale, kv_scales=kv_scales),
+                expected_fp8[:, :, 0], atol=2e-2, rtol=2e-2)
+            fp8_us = gpu_time_us(lambda: paged_decode(query, key_fp8, value_fp8, block_tables, context_lens, scale,
+                                                      kv_scales=kv_scales))
             num_bytes = (2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V
                          + 2 * query.numel() * dtype.itemsize + block_tables.numel() * 4)
             bandwidth = num_bytes / (kernel_us / 1e6)
             line = (
                 f"| {batch:5d} | {context:7d} | {'split-K' if auto else 'v1':7s} | {kernel_us:9.1f} "
                 f"| {bandwidth / 1e9:4.0f} | {bandwidth / copy_bw:7.2f} | {v1_us:5.1f} | {split_us:10.1f} "
-                f"| {sdpa_us:7.1f} | {sdpa_us / kernel_us:13.2f} |"
+                f"| {sdpa_us:7.1f} | {sdpa_us / kernel_us:13.2f} | {fp8_us:6.1f} | {kernel_us / fp8_us:10.2f} |"
             )
             print(line, flush=True)
             lines.append(line)
-            del key_cache, value_cache, key, value
+            del key_cache, value_cache, key, value, key_fp8, value_fp8
             torch.cuda.empty_cache()
     return lines
 
