@@ -8,7 +8,8 @@ dtype of the index tensors...); its constexprs come from the wrapper's own choic
 `prefill_constants`, ...), so the grid follows the code. The full product is thousands of compilations; the
 cases of each kernel and target take every value of every axis at least once, always include the largest tile
 of each dtype (the most registers and shared memory), and are spread so that the three targets together see
-as many pairs of values as they can. A new variant (FP8 KV caches: another issue) is one more `KernelSpec`.
+as many pairs of values as they can. A new variant is one more `KernelSpec`: the FP8 KV cache's (float8 K/V
+tiles dequantised into the query's dtype before the dots) are three, labelled "(fp8 KV)".
 tests/test_kernels_compile.py checks every result; scripts/kernel_table.py writes the README's table.
 
 # The kernels are explained in chapters/03_paged_attention.ipynb; compiling them ahead of time is in no chapter.
@@ -32,20 +33,22 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # every block size the engine 
 WINDOWS = (False, True)
 INDEX_DTYPES = ("int32", "int64")  # block tables and context lengths: int64 eager, int32 in CUDA graphs
 KV_HEADS = (1, 2, 3, 8, 40)
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # an FP8 cache's formats (kv_cache_dtype "fp8_e4m3", "fp8_e5m2")
 
 
 def _decode(case: dict, split_k: bool = False) -> dict:
     from .paged_decode import decode_constants
 
     return decode_constants(_torch_dtype(case["dtype"]), case["group"], case["head_dim"], case["block_size"],
-                            case["window"], split_k=split_k)
+                            case["window"], split_k=split_k, kv_fp8="kv_dtype" in case)
 
 
 def _prefill(case: dict) -> dict:
     from .paged_prefill import prefill_constants
 
     dtype = _torch_dtype(case["dtype"])
-    return prefill_constants(dtype, case["group"], case["head_dim"], case["block_size"], case["window"])
+    return prefill_constants(dtype, case["group"], case["head_dim"], case["block_size"], case["window"],
+                             kv_fp8="kv_dtype" in case)
 
 
 def _reduce(case: dict) -> dict:
@@ -70,7 +73,12 @@ class KernelSpec:
     constants: Callable[[dict], dict]  # case -> constexprs, through the wrapper's choice function
     pointers: dict[str, str] = field(default_factory=dict)  # pointer -> dtype, or an axis naming it; else "dtype"
     uses_dot: bool = False  # its 16-bit variants must run tl.dot on tensor cores
-    archs: tuple[int, ...] = (80, 89, 90)  # e.g. (89, 90) for FP8, which sm_80 lacks
+    archs: tuple[int, ...] = (80, 89, 90)
+    label: str = ""  # its name in the grid and the table, where one kernel has several specs
+
+    @property
+    def id(self) -> str:
+        return self.label or self.name
 
     def largest(self) -> list[dict]:
         """Partial cases always compiled: the biggest tile of each dtype."""
@@ -81,7 +89,13 @@ class KernelSpec:
 _DECODE_AXES = dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS,
                     index_dtype=INDEX_DTYPES)
 _INDEX = dict(block_tables_ptr="index_dtype", context_lens_ptr="index_dtype")
-_SCALES = dict(kv_scales_ptr="float32")  # a float8 cache's K and V scales (FP8 variants: not in this grid yet)
+_SCALES = dict(kv_scales_ptr="float32")  # a float8 cache's K and V scales (read by the FP8 variants only)
+_FP8_CACHE = dict(key_cache_ptr="kv_dtype", value_cache_ptr="kv_dtype")
+# 16-bit models only, as vLLM runs an FP8 cache; a float32 model over a float8 cache compiles too, but at head
+# dim 256 with 16 query heads per KV head its decode and prefill tiles spill 128-160 bytes a thread
+_FP8_DECODE_AXES = {**_DECODE_AXES, "dtype": ("float16", "bfloat16"), "kv_dtype": KV_DTYPES}
+_FP8 = " (fp8 KV)"
+FP8_ARCHS = (89, 90)  # Triton converts e4m3 only from sm_89 (Ada, Hopper): sm_80 rejects it
 _PARTIALS = dict(partial_max_ptr="float32", partial_sum_ptr="float32", partial_out_ptr="float32")
 KERNELS = (
     KernelSpec("store_kv_kernel", "store_kv", dict(dtype=DTYPES, num_kv_heads=KV_HEADS, head_dim=HEAD_DIMS),
@@ -97,6 +111,15 @@ KERNELS = (
                     index_dtype=INDEX_DTYPES),
                _prefill, dict(block_tables_ptr="index_dtype", query_start_loc_ptr="index_dtype",
                               num_context_ptr="index_dtype", **_SCALES), uses_dot=True),
+    # the same kernels over a float8 cache (KV_FP8): the query and output in the model's dtype
+    KernelSpec("paged_decode_kernel", "paged_decode", _FP8_DECODE_AXES, _decode, {**_INDEX, **_SCALES, **_FP8_CACHE},
+               uses_dot=True, label="paged_decode_kernel" + _FP8, archs=FP8_ARCHS),
+    KernelSpec("paged_decode_split_kernel", "paged_decode", _FP8_DECODE_AXES,
+               lambda case: _decode(case, split_k=True), {**_INDEX, **_PARTIALS, **_SCALES, **_FP8_CACHE},
+               uses_dot=True, label="paged_decode_split_kernel" + _FP8, archs=FP8_ARCHS),
+    KernelSpec("paged_prefill_kernel", "paged_prefill", _FP8_DECODE_AXES, _prefill,
+               dict(block_tables_ptr="index_dtype", query_start_loc_ptr="index_dtype", num_context_ptr="index_dtype",
+                    **_SCALES, **_FP8_CACHE), uses_dot=True, label="paged_prefill_kernel" + _FP8, archs=FP8_ARCHS),
 )
 
 
@@ -138,7 +161,7 @@ def grid_cases(kernels: tuple[KernelSpec, ...] = KERNELS) -> list[Case]:
         # K/V loop): they complement each other
         seen = seen_by_axes.setdefault(repr(spec.axes), Counter())
         for arch in spec.archs:
-            cases += [Case(spec.name, arch, values) for values in covering_cases(spec.axes, spec.largest(), seen)]
+            cases += [Case(spec.id, arch, values) for values in covering_cases(spec.axes, spec.largest(), seen)]
     return cases
 
 
@@ -178,7 +201,7 @@ def compile_case(case: Case) -> dict:
     """Compile one case (in this process: TRITON_INTERPRET must be unset); a JSON-able result."""
     from .aot import compile_for_target, problems
 
-    spec = next(s for s in KERNELS if s.name == case.kernel)
+    spec = next(s for s in KERNELS if s.id == case.kernel)
     kernel = getattr(importlib.import_module(f"{__package__}.{spec.module}"), spec.name)
     constants = spec.constants(case.values)
     result = dict(kernel=case.kernel, arch=case.arch, case=case.values, constants=constants)
@@ -187,7 +210,7 @@ def compile_case(case: Case) -> dict:
         report = compile_for_target(kernel, representative_args(spec, kernel, case.values), constants, case.arch)
     except Exception as error:  # the compiler rejected it: that is the finding
         return {**result, "error": f"{type(error).__name__}: {error}", "problems": ["does not compile"]}
-    return {**result, **vars(report), "error": None, "problems": problems(report, needs_tensor_cores)}
+    return {**vars(report), **result, "error": None, "problems": problems(report, needs_tensor_cores)}
 
 
 def compile_grid(cases: list[Case], jobs: int = 2, env: dict | None = None) -> list[dict]:
@@ -227,10 +250,9 @@ def markdown_table(results: list[dict]) -> str:
         "| kernel | target | variants | shared memory (max) | registers (max) | warps | spills | 16-bit dot |",
         "|:--|:--|--:|--:|--:|:--|:--|:--|",
     ]
-    specs = {spec.name: spec for spec in KERNELS}
     for spec in KERNELS:
         for arch in spec.archs:
-            mine = [r for r in results if r["kernel"] == spec.name and r["arch"] == arch]
+            mine = [r for r in results if r["kernel"] == spec.id and r["arch"] == arch]
             ok = [r for r in mine if r["error"] is None]
             gpus, max_shared = TARGETS[arch]
             shared = max(r["shared"] for r in ok) / 1024 if ok else 0
@@ -239,10 +261,11 @@ def markdown_table(results: list[dict]) -> str:
             if len(ok) < len(mine):
                 spills += f" ({len(mine) - len(ok)} do not compile)"
             sixteen = {r["tensor_cores"] or "none" for r in ok if r["case"]["dtype"] in ("float16", "bfloat16")}
-            dot = ", ".join(sorted(sixteen)) if specs[spec.name].uses_dot else "no dot"
+            dot = ", ".join(sorted(sixteen)) if spec.uses_dot else "no dot"
             warps = ", ".join(str(w) for w in sorted({r["num_warps"] for r in ok}))
+            name = f"`{spec.name}`{spec.id[len(spec.name):]}"  # the label's words after the kernel's name
             lines.append(
-                f"| `{spec.name}` | sm_{arch} ({gpus}) | {len(mine)} | {shared:.1f} of {max_shared // 1024} KB "
+                f"| {name} | sm_{arch} ({gpus}) | {len(mine)} | {shared:.1f} of {max_shared // 1024} KB "
                 f"| {max((r['registers'] for r in ok), default=0)} | {warps} | {spills} | {dot} |"
             )
     return "\n".join(lines) + "\n"

@@ -261,6 +261,12 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def kv_tile_bytes(dtype: torch.dtype, kv_fp8: bool) -> int:
+    """Bytes a K/V tile holds per value in registers: the dtype's, or for a float8 cache the loaded byte plus the
+    float32 it is dequantised into."""
+    return 1 + 4 if kv_fp8 else dtype.itemsize
+
+
 def decode_constants(
     dtype: torch.dtype, group: int, head_dim: int, block_size: int, has_window: bool, split_k: bool = False,
     kv_fp8: bool = False,
@@ -271,13 +277,16 @@ def decode_constants(
     (tests/test_kernels_compile.py, `pagedlab.kernels.aot_grid` calls this function) with 4 warps, float32
     tiles whose key rows are 512 bytes (BLOCK_D 128) spilled registers in some variants, and 64 float32 keys
     of 256 dims needed 152 KB of shared memory, more than an L4's 99 KB: so 8 warps from 512 bytes a row, and
-    32 keys above that."""
+    32 keys above that. A float8 cache's tiles are dequantised into float32 beside the float8 ones loaded (5 bytes
+    a value, `kv_tile_bytes`): at head dim 256 they spilled or overflowed an L4's shared memory until cut to 16
+    keys, with 4 warps (8 capped the registers at 128 and spilled)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    row_bytes = block_d * dtype.itemsize
+    row_bytes = block_d * kv_tile_bytes(dtype, kv_fp8)
+    block_n = BLOCK_N if row_bytes <= 512 else BLOCK_N // 2 if row_bytes <= 1024 else BLOCK_N // 4
     constants = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d, BLOCK_N=BLOCK_N if row_bytes <= 512 else BLOCK_N // 2,
-        DOT_FP32=dot_in_fp32(dtype), KV_FP8=kv_fp8, num_warps=8 if row_bytes >= 512 else 4,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_FP32=dot_in_fp32(dtype), KV_FP8=kv_fp8, num_warps=8 if 512 <= row_bytes <= 1024 else 4,
     )
     return {**constants, "PARTITION_SIZE": PARTITION_SIZE} if split_k else constants
 

@@ -28,17 +28,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import FP8_DTYPES, check_cache, check_devices, check_int, dot_in_fp32, load_kv_scales, load_kv_tile
+from .paged_decode import (
+    FP8_DTYPES, check_cache, check_devices, check_int, dot_in_fp32, kv_tile_bytes, load_kv_scales, load_kv_tile,
+)
 
 
-def tile_sizes(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
+def tile_sizes(dtype: torch.dtype, block_d: int, kv_fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M query rows, BLOCK_N keys, warps) per tile: smaller for float32, whose exact ("ieee") dot runs
     on FMA units, not tensor cores, and with 64 x 64 tiles needs 115 KB of shared memory (and 10 s to compile).
     Compiled for sm_80/89/90 (tests/test_kernels_compile.py) with 4 warps, tiles whose head rows are 256
     bytes or more (16-bit BLOCK_D 128, float32 64) spilled registers in some variants, and float32 at head dim
-    256 fits an L4's 99 KB of shared memory only with 16 keys per tile."""
-    block_m = 64 if dtype.itemsize == 2 else 32
-    row_bytes = block_d * dtype.itemsize
+    256 fits an L4's 99 KB of shared memory only with 16 keys per tile. A float8 cache's K/V rows count 5 bytes a
+    value (`kv_tile_bytes`: the loaded byte and its float32 dequantisation)."""
+    block_m = (64 if dtype.itemsize == 2 else 32) // (2 if kv_fp8 else 1)
+    row_bytes = block_d * kv_tile_bytes(dtype, kv_fp8)
     block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
     return block_m, block_n, 8 if row_bytes >= 256 else 4
 
@@ -51,7 +54,7 @@ def prefill_constants(
     `pagedlab.kernels.aot_grid` compiles for GPU targets."""
     block_g = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps = tile_sizes(dtype, block_d)
+    block_m, block_n, num_warps = tile_sizes(dtype, block_d, kv_fp8)
     return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window, BLOCK_G=block_g,
                 BLOCK_Q=max(1, block_m // block_g), BLOCK_D=block_d, BLOCK_N=block_n, DOT_FP32=dot_in_fp32(dtype),
                 KV_FP8=kv_fp8, num_warps=num_warps)

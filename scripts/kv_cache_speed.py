@@ -58,7 +58,8 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             speeds[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
     print(f"SmolLM2-135M-Instruct, float32 weights, {args.batch} chat prompts x {args.max_tokens} tokens, "
-          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; median of {args.rounds} interleaved rounds\n")
+          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; "
+          f"median of {args.rounds} interleaved rounds\n")
     print("| KV cache | bytes/token | output tok/s | range |")
     print("|---|---:|---:|---:|")
     for name, llm in engines.items():

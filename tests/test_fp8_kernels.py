@@ -31,9 +31,10 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e
 
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_kernels_equal_the_torch_path_on_fp8_blocks(dtype, qdtype):
+@pytest.mark.parametrize("head_dim", [16, 256])  # 256: the smallest tiles (16 keys, kv_tile_bytes)
+def test_kernels_equal_the_torch_path_on_fp8_blocks(dtype, qdtype, head_dim):
     generator = torch.Generator().manual_seed(0)
-    num_blocks, block_size, kv_heads, head_dim = 10, 4, 2, 16
+    num_blocks, block_size, kv_heads = 10, 4, 2
     key = (torch.randn(12, kv_heads, head_dim, generator=generator) * 3).to(qdtype)
     value = torch.randn(12, kv_heads, head_dim, generator=generator).to(qdtype)
     key[0, 0, 0] = 1e6  # saturates
@@ -46,19 +47,20 @@ def test_kernels_equal_the_torch_path_on_fp8_blocks(dtype, qdtype):
     assert torch.equal(by_kernel.view(torch.uint8), by_torch.view(torch.uint8))
     key_cache, value_cache = by_kernel
 
+    scale = head_dim**-0.5  # as a model's
     query = torch.randn(2, 4, head_dim, generator=generator).to(qdtype)
     tables, lens = torch.tensor([[1, 2, 3], [2, 3, 0]]), torch.tensor([11, 6])
     metadata = AttentionMetadata(torch.zeros(0, dtype=torch.long), 2, tables, lens, [])
-    expected = decode_attention(query, key_cache, value_cache, metadata, 0.25, None, scales[0], scales[1])
+    expected = decode_attention(query, key_cache, value_cache, metadata, scale, None, scales[0], scales[1])
     for split_k in (False, True):
-        got = paged_decode(query, key_cache, value_cache, tables, lens, 0.25, None, split_k=split_k, kv_scales=scales)
+        got = paged_decode(query, key_cache, value_cache, tables, lens, scale, None, split_k=split_k, kv_scales=scales)
         torch.testing.assert_close(got, expected, **TOL[qdtype])
 
     query = torch.randn(3, 4, head_dim, generator=generator).to(qdtype)  # tokens 8..10 after 8 cached
     chunk = PrefillChunk(0, 3, 8, torch.tensor([1, 2, 3]))
-    expected = prefill_attention(query, key[8:11], value[8:11], key_cache, value_cache, chunk, 0.25, None,
+    expected = prefill_attention(query, key[8:11], value[8:11], key_cache, value_cache, chunk, scale, None,
                                  scales[0], scales[1])
-    got = paged_prefill(query, key_cache, value_cache, torch.tensor([0, 3]), torch.tensor([8]), tables[:1], 0.25,
+    got = paged_prefill(query, key_cache, value_cache, torch.tensor([0, 3]), torch.tensor([8]), tables[:1], scale,
                         kv_scales=scales)
     torch.testing.assert_close(got, expected, **TOL[qdtype])
 

@@ -242,3 +242,24 @@ def test_tensor_parallel_ranks_size_and_use_an_fp8_cache(tmp_path):
         assert pagedlab_greedy(llm, prompts, 12) == pagedlab_greedy(one, prompts, 12)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
+def test_triton_with_an_fp8_cache_needs_sm_89(monkeypatch, capability, refused):
+    """Triton converts e4m3 only from sm_89 (Ada, Hopper), and the float8 variants are compiled for sm_89 and
+    sm_90 (pagedlab.kernels.aot_grid): on an A100 the Triton backend with an FP8 cache is refused by name,
+    before a kernel fails to compile mid-step."""
+    from pagedlab import kernels
+    from pagedlab.worker.worker import resolve_attention_backend
+
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if refused:
+            with pytest.raises(ValueError, match="compute capability 8.9"):
+                resolve_attention_backend("triton", cuda, dtype)
+        else:
+            assert resolve_attention_backend("triton", cuda, dtype) == "triton"
+    assert resolve_attention_backend("triton", cuda, torch.bfloat16) == "triton"  # 16-bit caches: any GPU
+    assert resolve_attention_backend("auto", cuda, torch.float8_e4m3fn) == "torch"

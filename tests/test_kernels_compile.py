@@ -40,8 +40,8 @@ def compiled() -> list[dict]:
     return compile_grid(grid_cases(), jobs=JOBS)
 
 
-@pytest.mark.parametrize("arch", sorted(TARGETS), ids=lambda arch: f"sm_{arch}")
-@pytest.mark.parametrize("kernel", [spec.name for spec in KERNELS])
+@pytest.mark.parametrize("kernel, arch", [(spec.id, arch) for spec in KERNELS for arch in spec.archs],
+                         ids=[f"{spec.id}-sm_{arch}" for spec in KERNELS for arch in spec.archs])
 def test_kernel_compiles_for_the_target(compiled, kernel, arch):
     results = [r for r in compiled if r["kernel"] == kernel and r["arch"] == arch]
     assert results, f"no variant of {kernel} compiled for sm_{arch}"
@@ -54,11 +54,11 @@ def test_grid_takes_every_value_for_every_kernel_and_target():
     cases = grid_cases()
     for spec in KERNELS:
         for arch in spec.archs:
-            mine = [c.values for c in cases if c.kernel == spec.name and c.arch == arch]
+            mine = [c.values for c in cases if c.kernel == spec.id and c.arch == arch]
             for axis, values in spec.axes.items():
-                assert {case[axis] for case in mine} == set(values), (spec.name, arch, axis)
+                assert {case[axis] for case in mine} == set(values), (spec.id, arch, axis)
             for largest in spec.largest():  # the biggest tile of each dtype
-                assert any(largest.items() <= case.items() for case in mine), (spec.name, arch, largest)
+                assert any(largest.items() <= case.items() for case in mine), (spec.id, arch, largest)
 
 
 def test_readme_table_is_the_generated_one(compiled):
