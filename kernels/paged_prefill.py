@@ -39,7 +39,8 @@ def tile_sizes(dtype: torch.dtype, block_d: int, kv_fp8: bool = False) -> tuple[
     Compiled for sm_80/89/90 (tests/test_kernels_compile.py) with 4 warps, tiles whose head rows are 256
     bytes or more (16-bit BLOCK_D 128, float32 64) spilled registers in some variants, and float32 at head dim
     256 fits an L4's 99 KB of shared memory only with 16 keys per tile. A float8 cache's K/V rows count 5 bytes a
-    value (`kv_tile_bytes`: the loaded byte and its float32 dequantisation)."""
+    value (`kv_tile_bytes`: the loaded byte and its float32 dequantisation), and its query tile is halved: with
+    64 16-bit rows its head dim 256 variants spilled up to 3 KB a thread on sm_89 and sm_90."""
     block_m = (64 if dtype.itemsize == 2 else 32) // (2 if kv_fp8 else 1)
     row_bytes = block_d * kv_tile_bytes(dtype, kv_fp8)
     block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16

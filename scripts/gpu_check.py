@@ -153,7 +153,14 @@ def benchmark(device_name: str = "cuda") -> list[str]:
             def sdpa():
                 return F.scaled_dot_product_attention(query[:, :, None], key, value, scale=scale, enable_gqa=True)
 
-            def kernel(split_k=None):
+            # the cache also in float8 e4m3 (scales 1.0: randn fits its range)
+            key_fp8, value_fp8 = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
+            kv_scales = torch.ones(2, dtype=torch.float32, device=device)
+
+            def kernel(split_k=None, fp8=False):
+                if fp8:
+                    return paged_decode(query, key_fp8, value_fp8, block_tables, context_lens, scale, split_k=split_k,
+                                        kv_scales=kv_scales)
                 return paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, split_k=split_k)
 
             expected = sdpa()[:, :, 0]
@@ -164,17 +171,12 @@ def benchmark(device_name: str = "cuda") -> list[str]:
             split_us = gpu_time_us(lambda: kernel(True))
             sdpa_us = gpu_time_us(sdpa)
             kernel_us = split_us if auto else v1_us
-            # the cache in float8 e4m3 (scales 1.0: randn fits its range), against SDPA on the dequantised K/V
+            # the float8 cache against SDPA over its dequantised K/V, on the path `use_split_k` picks
             fp8 = torch.float8_e4m3fn
-            key_fp8, value_fp8 = key_cache.to(fp8), value_cache.to(fp8)
-            kv_scales = torch.ones(2, dtype=torch.float32, device=device)
             expected_fp8 = F.scaled_dot_product_attention(query[:, :, None], key.to(fp8).to(dtype),
                                                           value.to(fp8).to(dtype), scale=scale, enable_gqa=True)
-            torch.testing.assert_close(
-                paged_decode(query, key_fp8, value_fp8, block_tables, context_lens, scale, kv_scales=kv_scales),
-                expected_fp8[:, :, 0], atol=2e-2, rtol=2e-2)
-            fp8_us = gpu_time_us(lambda: paged_decode(query, key_fp8, value_fp8, block_tables, context_lens, scale,
-                                                      kv_scales=kv_scales))
+            torch.testing.assert_close(kernel(fp8=True), expected_fp8[:, :, 0], atol=2e-2, rtol=2e-2)
+            fp8_us = gpu_time_us(lambda: kernel(fp8=True))
             num_bytes = (2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V
                          + 2 * query.numel() * dtype.itemsize + block_tables.numel() * 4)
             bandwidth = num_bytes / (kernel_us / 1e6)

@@ -179,10 +179,10 @@ def resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: t
                     "switched on before triton is first imported: start Python with TRITON_INTERPRET=1"
                 )
             logger.warning("attention_backend='triton' on CPU: the kernels run in Triton's interpreter (slow)")
-        elif is_quantized(kv_cache_dtype) and torch.cuda.get_device_capability(device) < (8, 9):
+        elif is_quantized(kv_cache_dtype) and (capability := torch.cuda.get_device_capability(device)) < (8, 9):
             raise ValueError(  # Triton has no e4m3 conversion before sm_89; the float8 variants compile for 89, 90
                 "attention_backend='triton' with an fp8 KV cache needs a GPU of compute capability 8.9 or newer "
-                f"(Ada, Hopper); this one is {'.'.join(map(str, torch.cuda.get_device_capability(device)))}: "
+                f"(Ada, Hopper); this one is {'.'.join(map(str, capability))}: "
                 "use attention_backend='torch' (the default, 'auto', does)"
             )
     return name
