@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.pagedlab-installed
 
-.PHONY: install lab test test-fast test-browser chapters gpu-check clean
+.PHONY: install lab test test-fast test-browser lint chapters gpu-check clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ lab: install
 
 test: install
 	$(PY) -m pytest tests $(wildcard chapters/*.ipynb) --nbval-lax --nbval-sanitize-with chapters/sanitize.cfg --durations=15
+
+# The lint gate (ruff, rules in pyproject.toml); CI runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff check pagedlab kernels tests scripts
 
 # The quick loop: everything but the tests marked slow (the embedded model, load tests, big state machines,
 # compiling the kernels for GPUs) and the browser pass.

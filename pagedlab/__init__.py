@@ -23,7 +23,7 @@ _EXPORTS = {
     "RequestOutput": "pagedlab.outputs",
     "CompletionOutput": "pagedlab.outputs",
     "EngineStats": "pagedlab.outputs",
-    "BeamSearchParams": "pagedlab.beam_search",
+    "BeamSearchParams": "pagedlab.sampling_params",
     "BeamSearchOutput": "pagedlab.beam_search",
 }
 

@@ -24,33 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from pagedlab.core.sched_output import BeamDecision
+from pagedlab.core.sched_output import BeamDecision, ModelRunnerOutput, SchedulerOutput, UpdateOutput
 from pagedlab.outputs import CompletionOutput, RequestOutput
-
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    """vLLM's `BeamSearchParams`, plus Hugging Face's `early_stopping` (default False, as HF's)."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
-                f"BeamSearchParams.early_stopping must be True, False or 'never', got {self.early_stopping!r}"
-            )
+from pagedlab.sampling_params import BeamSearchParams
 
 
 @dataclass(frozen=True)
@@ -189,11 +168,12 @@ class BeamSearch:
         group.restart(root_id)
         self._group_of[root_id] = group_id
 
-    def step(self, beam_logprobs: dict[str, torch.Tensor], restarted=()) -> list[BeamDecision]:
-        """Give each group its new log-probabilities; a beam step for every group that has them all. `restarted`
-        (group, first beam) pairs are beam searches that a recompute preemption sent back to their prompt."""
-        for group_id, root_id in restarted:
+    def step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[BeamDecision]:
+        """Give each group its new log-probabilities; a beam step for every group that has them all. Groups that a
+        recompute preemption sent back to their prompt (`scheduler_output.restarted`) start again first."""
+        for group_id, root_id in scheduler_output.restarted:
             self.restart(group_id, root_id)
+        beam_logprobs = runner_output.beam_logprobs
         ready: dict[str, BeamGroup] = {}
         for beam, logprobs in beam_logprobs.items():
             group = self.groups.get(self._group_of.get(beam, ""))
@@ -225,6 +205,17 @@ class BeamSearch:
             if not group.beams:
                 done.append(self.remove(group_id))
         return done
+
+    def process(self, update: UpdateOutput, decode: Callable[[tuple[int, ...]], str]) -> list[RequestOutput]:
+        """The outputs of one step's update: an error output for each failed beam search, the finished hypotheses
+        of each search that is done."""
+        outputs = []
+        for group_id, why in update.failed:
+            group = self.remove(group_id)
+            if group is not None:
+                error = CompletionOutput(0, "", [], "error", error=why)
+                outputs.append(RequestOutput(group_id, group.prompt, group.prompt_token_ids, [error], True))
+        return outputs + [beam_output(group, decode) for group in self.commit(update.beam_ids)]
 
 
 def beam_output(group: BeamGroup, decode: Callable[[tuple[int, ...]], str]) -> RequestOutput:

@@ -311,11 +311,12 @@ class ContiguousEngine:
                     request.request_id, computed, n - computed, request.request_id, tuple(request.token_ids(computed, n)),
                     tuple(range(start, start + n)), (sampling_request(request),),
                 ))
-            sampled = self.model_runner.execute(work).sampled
+            sampled = self.model_runner.execute(work).sampled_token_ids
             num_running.append(len(running))
             for request, _ in running:
                 request.num_computed_tokens = request.num_tokens
-                request.append_token(sampled[request.request_id])
+                (token_id,) = sampled[request.request_id]
+                request.append_token(token_id)
                 status = request.check_stop(self.max_model_len)
                 if status is not None:
                     request.status = status

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedlab.beam_search import BeamSearchParams
 from pagedlab.config import EngineConfig
 from pagedlab.core.block_table import cdiv
-from pagedlab.sampling_params import SamplingParams
+from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
 

@@ -2,10 +2,11 @@
 
 The core sees token ids only. For every user request, `OutputProcessor` keeps a `RequestState` (vLLM's name)
 holding what the user sees: one `SequenceState` per sample, each with its tokens, its incremental detokenizer
-and its logprobs. Each step it takes the scheduler's `UpdateOutput` (tokens appended, sequences finished),
-detokenizes, checks stop strings, and returns the `RequestOutput`s of the requests that changed, as their
-output kind asks: everything so far (CUMULATIVE), only what is new (DELTA), or once at the end (FINAL_ONLY).
-Sequences that hit a stop string are returned too: the engine tells the scheduler to finish them.
+and its logprobs. Each step it takes the core's output (samples forked, tokens appended with their logprobs,
+sequences finished or failed), detokenizes, checks stop strings, and returns the `RequestOutput`s of the
+requests that changed, as their output kind asks: everything so far (CUMULATIVE), only what is new (DELTA), or
+once at the end (FINAL_ONLY). Sequences that hit a stop string are returned too: the engine tells the core to
+finish them.
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedlab.core.sched_output import SequenceUpdate, UpdateOutput
+from pagedlab.core.engine_core import EngineCoreOutput
+from pagedlab.core.sched_output import SequenceUpdate
 from pagedlab.detokenizer import IncrementalDetokenizer
 from pagedlab.outputs import CompletionOutput, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
@@ -89,11 +91,15 @@ class OutputProcessor:
         for sequence_id in state.sequences:
             self._group_of.pop(sequence_id, None)
 
-    def process(
-        self, update: UpdateOutput, logprobs: dict[str, dict[int, float]]
-    ) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
-        """Apply one step's update. Returns the outputs of the requests that changed (in arrival order), the
-        sequences a stop string finished, and the requests whose processing raised, with the error."""
+    def process(self, output: EngineCoreOutput) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Apply one step of the core: follow the samples it forked, add the new tokens and their logprobs.
+        Returns the outputs of the requests
+        that changed: first an error output for each that failed (in the core, or here), then the others in
+        arrival order; the sequences a stop string finished; and the requests whose processing raised here, which
+        the core must finish."""
+        for parent, child in output.scheduler_output.forked:
+            self.fork(parent, child)
+        update, logprobs = output.update, output.runner_output.logprobs
         changed: dict[str, RequestState] = {}
         stopped: list[str] = []
         failed: dict[str, str] = dict(update.failed)
@@ -120,14 +126,14 @@ class OutputProcessor:
             output = self._make_output(state)
             if output is not None:
                 outputs.append(output)
-        return outputs, stopped, {g: m for g, m in failed.items() if g not in update.failed}
+        return outputs, stopped, [g for g in failed if g not in dict(update.failed)]
 
-    def _apply(self, sequence: SequenceState, update: SequenceUpdate, logprobs: dict[int, float] | None) -> bool:
-        """Add the step's tokens to one sequence; True if a stop string finished it. `logprobs` is one dict, or a
-        list of them when a verified speculative chunk added several tokens."""
+    def _apply(self, sequence: SequenceState, update: SequenceUpdate, logprobs) -> bool:
+        """Add the step's tokens to one sequence; True if a stop string finished it. `logprobs`: one dict per
+        new token (a verified speculative chunk adds several), or None."""
         sequence.token_ids += update.new_token_ids
         if logprobs is not None:
-            sequence.logprobs += logprobs[: len(update.new_token_ids)] if isinstance(logprobs, list) else [logprobs]
+            sequence.logprobs += logprobs[: len(update.new_token_ids)]
         hit = None
         if sequence.detokenizer is not None:
             hit = sequence.detokenizer.update(update.new_token_ids, finished=update.finish_reason is not None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -58,6 +59,26 @@ class EngineStats:
     num_used_cpu_blocks: int = 0
     kv_cache_dtype: str = "auto"  # the engine's kv_cache_dtype: "auto" (the model's dtype), "fp8", "fp8_e5m2", ...
     kv_bytes_per_token: int = 0  # K and V of one token in every layer (over all tensor-parallel ranks)
+
+    @classmethod
+    def combine(cls, *slices, **values) -> EngineStats:
+        """The engine's statistics from each component's own frozen slice (`pagedlab.core.stats`: the pool's, the
+        swap space's, the scheduler's, the core's) and `values` (what the device side knows)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+
+        def gather(part) -> dict:
+            found = {}
+            for f in dataclasses.fields(part):
+                value = getattr(part, f.name)
+                if dataclasses.is_dataclass(value):
+                    found.update(gather(value))
+                elif f.name in names:
+                    found[f.name] = tuple(value) if isinstance(value, list) else value
+            return found
+
+        for part in slices:
+            values = {**gather(part), **values}
+        return cls(**values)
 
     @property
     def kv_tokens_per_gib(self) -> int:

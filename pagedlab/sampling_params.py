@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 _GREEDY_EPS = 1e-5
 
@@ -104,3 +105,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the argmax is taken (temperature 0, as in vLLM)."""
         return self.temperature < _GREEDY_EPS
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, plus Hugging Face's `early_stopping` (default False, as HF's)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"BeamSearchParams.early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+
+
+# A beam sequence's own settings: the beam step, not sampling, picks its tokens, and it never stops on its own.
+BEAM_SAMPLING = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)

@@ -52,24 +52,24 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def setup(self, block_size: int, num_blocks: int) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
         self.model_tokens: dict[str, int] = {}
         self.model_free: list[int] = list(range(num_blocks))  # head (next to be allocated) first
         self.num_failed = 0
 
     def _snapshot(self):
-        tables = {rid: (tuple(t.block_ids), t.num_tokens) for rid, t in self.kv.block_tables.items()}
-        return tables, self.kv.pool.free_block_ids(), list(self.kv.pool.ref_count)
+        tables = {rid: (tuple(t.block_ids), t.num_tokens) for rid, t in self.kv_cache_manager.block_tables.items()}
+        return tables, self.kv_cache_manager.pool.free_block_ids(), list(self.kv_cache_manager.pool.ref_count)
 
     @rule(data=st.data(), request_id=st.sampled_from(REQUEST_IDS))
     def allocate_slots(self, data, request_id: str) -> None:
         # Up to a little more than the whole pool, so that both success and failure are common.
         num_tokens = data.draw(st.integers(0, self.num_blocks * self.block_size + self.block_size), "num_tokens")
         before = self._snapshot()
-        old_blocks = list(self.kv.block_tables[request_id].block_ids) if request_id in self.kv.block_tables else []
+        old_blocks = list(self.kv_cache_manager.block_tables[request_id].block_ids) if request_id in self.kv_cache_manager.block_tables else []
         needed = cdiv(num_tokens, self.block_size) - len(old_blocks)
 
-        allocation = self.kv.allocate_slots(request_id, num_tokens)
+        allocation = self.kv_cache_manager.allocate_slots(request_id, num_tokens)
 
         if allocation is None:
             self.num_failed += 1
@@ -83,28 +83,28 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert new_blocks == expected_new, "new blocks must come from the head of the free queue, in order"
         del self.model_free[: len(expected_new)]
         self.model_tokens[request_id] = max(self.model_tokens.get(request_id, 0), num_tokens)
-        table = self.kv.block_table(request_id)
+        table = self.kv_cache_manager.block_table(request_id)
         assert table.block_ids == old_blocks + new_blocks, "existing blocks must keep their logical position"
 
     @rule(request_id=st.sampled_from(REQUEST_IDS))
     def free(self, request_id: str) -> None:
-        table = self.kv.block_tables.get(request_id)
+        table = self.kv_cache_manager.block_tables.get(request_id)
         expected = list(reversed(table.block_ids)) if table is not None else []
-        freed = self.kv.free(request_id)
+        freed = self.kv_cache_manager.free(request_id)
         assert freed == expected, "free releases the table tail first, and every block (ref_count 1) becomes free"
         self.model_free.extend(expected)
         self.model_tokens.pop(request_id, None)
-        assert request_id not in self.kv.block_tables
+        assert request_id not in self.kv_cache_manager.block_tables
 
     @rule(request_id=st.sampled_from(("unknown", "r", "")))
     def free_unknown(self, request_id: str) -> None:
         before = self._snapshot()
-        assert self.kv.free(request_id) == []
+        assert self.kv_cache_manager.free(request_id) == []
         assert self._snapshot() == before
 
     @invariant()
     def agrees_with_model(self) -> None:
-        kv = self.kv
+        kv = self.kv_cache_manager
         kv.check_invariants()
         assert {rid: t.num_tokens for rid, t in kv.block_tables.items()} == self.model_tokens
         seen: set[int] = set()
@@ -122,12 +122,12 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "kv"):
             return
-        for request_id in list(self.kv.block_tables):
-            self.kv.free(request_id)
-        self.kv.check_invariants()
-        assert self.kv.num_free_blocks == self.num_blocks
-        assert not self.kv.block_tables
-        assert all(count == 0 for count in self.kv.pool.ref_count)
+        for request_id in list(self.kv_cache_manager.block_tables):
+            self.kv_cache_manager.free(request_id)
+        self.kv_cache_manager.check_invariants()
+        assert self.kv_cache_manager.num_free_blocks == self.num_blocks
+        assert not self.kv_cache_manager.block_tables
+        assert all(count == 0 for count in self.kv_cache_manager.pool.ref_count)
 
 
 TestKVCacheManagerMachine = KVCacheManagerMachine.TestCase
@@ -159,7 +159,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.num_blocks = num_blocks
         self.max_len = num_blocks * block_size + block_size  # one block more than the pool: allocation can fail
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
         self.salt: dict[str, str | None] = {}
         self.tokens: dict[str, list[int]] = {}
         self.tables: dict[str, list[int]] = {}
@@ -183,7 +183,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         return hashes
 
     def _snapshot(self):
-        kv, pool = self.kv, self.kv.pool
+        kv, pool = self.kv_cache_manager, self.kv_cache_manager.pool
         return (
             {rid: (tuple(t.block_ids), t.num_tokens) for rid, t in kv.block_tables.items()},
             {rid: tuple(h) for rid, h in kv.block_hashes.items()},
@@ -219,7 +219,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     def _write(self, request_id: str, write_from: int) -> None:
         """The model runner writes the KV of positions [write_from, len(tokens)) into the request's blocks."""
-        pool, table = self.kv.pool, self.kv.block_table(request_id)
+        pool, table = self.kv_cache_manager.pool, self.kv_cache_manager.block_table(request_id)
         for index in range(write_from // self.bs, cdiv(len(self.tokens[request_id]), self.bs)):
             block_id = table.block_ids[index]
             holders = pool.ref_count[block_id]
@@ -234,7 +234,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         )
         for block_id in evicted:
             assert ref_before[block_id] == 0, f"block {block_id} was evicted while {ref_before[block_id]} held it"
-            assert block_id not in self.kv.pool.hash_to_block.values()
+            assert block_id not in self.kv_cache_manager.pool.hash_to_block.values()
         if evicted:
             event("evicted cached blocks")
 
@@ -249,7 +249,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         k = len(hits)
         if tokens and k < (len(tokens) - 1) // self.bs:
             want = (salt, tuple(tokens[: (k + 1) * self.bs]))
-            for block_id in self.kv.pool.hash_to_block.values():
+            for block_id in self.kv_cache_manager.pool.hash_to_block.values():
                 assert self.content.get(block_id) != want, f"missed a hit: cached block {block_id} holds block {k}"
 
     # -- rules ----------------------------------------------------------------------------------------------
@@ -269,12 +269,12 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         """With no block free, often preempt another request first (as the scheduler would), so that growth,
         new requests and copy-on-write do not just fail once the pool has filled up."""
         others = [rid for rid in sorted(self.tokens) if rid not in keep]
-        if self.kv.num_free_blocks == 0 and others and data.draw(st.booleans(), "make_room"):
+        if self.kv_cache_manager.num_free_blocks == 0 and others and data.draw(st.booleans(), "make_room"):
             self.free(data.draw(st.sampled_from(others), "preempt"))
 
     def _grow(self, data, request_id: str) -> None:
         """allocate_slots for `request_id`, checked against the model, then the writes (see `_write`)."""
-        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        kv, pool, bs = self.kv_cache_manager, self.kv_cache_manager.pool, self.bs
         old = self.tokens.get(request_id)
         held = list(self.tables.get(request_id, []))
         if old is None:
@@ -342,11 +342,11 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             return
         parent = data.draw(st.sampled_from(sorted(self.tokens)), "parent")
         child = data.draw(st.sampled_from(self._new_request_ids()), "child")
-        free_before, cached_before = self.kv.pool.free_block_ids(), dict(self.kv.pool.hash_to_block)
-        self.kv.fork(parent, child)
+        free_before, cached_before = self.kv_cache_manager.pool.free_block_ids(), dict(self.kv_cache_manager.pool.hash_to_block)
+        self.kv_cache_manager.fork(parent, child)
         event("fork")
-        assert self.kv.pool.free_block_ids() == free_before and self.kv.pool.hash_to_block == cached_before
-        assert self.kv.block_hashes.get(child) == self.kv.block_hashes.get(parent)
+        assert self.kv_cache_manager.pool.free_block_ids() == free_before and self.kv_cache_manager.pool.hash_to_block == cached_before
+        assert self.kv_cache_manager.block_hashes.get(child) == self.kv_cache_manager.block_hashes.get(parent)
         self.salt[child], self.tokens[child] = self.salt[parent], list(self.tokens[parent])
         self.tables[child] = list(self.tables[parent])
         if data.draw(st.booleans(), "write_after_fork"):  # the samples diverge: copy-on-write of a partial block
@@ -362,7 +362,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     def _cache(self, request_id: str, num_computed: int) -> None:
         """cache_full_blocks, checked: the request's hashes are its chain, and what it hashed is now findable."""
-        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        kv, pool, bs = self.kv_cache_manager, self.kv_cache_manager.pool, self.bs
         salt, tokens = self.salt[request_id], self.tokens[request_id]
         num_hashed_before = len(kv.block_hashes.get(request_id, ()))
         free_before = pool.free_block_ids()
@@ -389,7 +389,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         """A new request takes its longest cached prefix, then fresh blocks for the rest (as the scheduler does)."""
         if not self._new_request_ids():
             return
-        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        kv, pool, bs = self.kv_cache_manager, self.kv_cache_manager.pool, self.bs
         request_id = data.draw(st.sampled_from(self._new_request_ids()), "request_id")
         salt, tokens = self._draw_tokens(data, min_len=1)
         self._make_room(data, request_id)
@@ -448,31 +448,31 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     def free(self, request_id: str) -> None:
         """kv.free, checked: the blocks no other table holds become free, tail first; the cache keeps them."""
-        pool = self.kv.pool
+        pool = self.kv_cache_manager.pool
         held = self.tables.get(request_id, [])
         expected = [b for b in reversed(held) if pool.ref_count[b] == 1]  # tail first; shared blocks stay held
         free_before, cached_before = pool.free_block_ids(), dict(pool.hash_to_block)
-        assert self.kv.free(request_id) == expected
+        assert self.kv_cache_manager.free(request_id) == expected
         assert pool.free_block_ids() == free_before + expected, "freed blocks go to the tail of the free queue"
         assert pool.hash_to_block == cached_before, "freeing keeps cached blocks findable"
         for model in (self.salt, self.tokens, self.tables):
             model.pop(request_id, None)
-        assert request_id not in self.kv.block_tables and request_id not in self.kv.block_hashes
+        assert request_id not in self.kv_cache_manager.block_tables and request_id not in self.kv_cache_manager.block_hashes
 
     def free_all(self) -> None:
         for request_id in sorted(self.tokens):
             self.free(request_id)
-        assert self.kv.num_free_blocks == self.num_blocks, "every request is freed, yet some block is not free"
+        assert self.kv_cache_manager.num_free_blocks == self.num_blocks, "every request is freed, yet some block is not free"
 
     @rule(data=st.data())
     def reset_prefix_cache(self, data) -> None:
         """Refused (changing nothing) while any block is in use; otherwise forgets every cached block."""
-        pool = self.kv.pool
+        pool = self.kv_cache_manager.pool
         in_use = any(self.tables.values())
         if not in_use and pool.hash_to_block and data.draw(st.booleans(), "keep_cache"):
             return  # a reset wipes every hit: do it only now and then
         before, had_cached = self._snapshot(), bool(pool.hash_to_block)
-        ok = self.kv.reset_prefix_cache()
+        ok = self.kv_cache_manager.reset_prefix_cache()
         if in_use:
             event("reset_prefix_cache: refused")
             assert ok is False, "reset_prefix_cache succeeded while blocks are in use"
@@ -489,7 +489,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_model(self) -> None:
-        kv, pool, bs = self.kv, self.kv.pool, self.bs
+        kv, pool, bs = self.kv_cache_manager, self.kv_cache_manager.pool, self.bs
         kv.check_invariants()
         assert {rid: (t.block_ids, t.num_tokens) for rid, t in kv.block_tables.items()} == {
             rid: (self.tables[rid], len(self.tokens[rid])) for rid in self.tables
@@ -524,10 +524,10 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             return
         self.free_all()
         self.agrees_with_model()
-        assert all(count == 0 for count in self.kv.pool.ref_count)
-        assert self.kv.reset_prefix_cache() is True
-        assert not self.kv.pool.hash_to_block
-        self.kv.check_invariants()
+        assert all(count == 0 for count in self.kv_cache_manager.pool.ref_count)
+        assert self.kv_cache_manager.reset_prefix_cache() is True
+        assert not self.kv_cache_manager.pool.hash_to_block
+        self.kv_cache_manager.check_invariants()
 
 
 TestPrefixCachingMachine = PrefixCachingMachine.TestCase

@@ -28,9 +28,8 @@ from pagedlab.core.block_table import cdiv
 from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.preemption import PreemptionCostModel
 from pagedlab.core.request import Request, RequestStatus
-from pagedlab.core.sched_output import BeamDecision
+from pagedlab.core.sched_output import BeamDecision, ModelRunnerOutput
 from pagedlab.core.scheduler import Scheduler
-from pagedlab.core.speculation import draft_requests
 from pagedlab.core.swap_space import SwapSpace
 from pagedlab.sampling_params import SamplingParams
 
@@ -77,12 +76,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _setup(self, setup) -> None:
         config, num_cpu_blocks = setup
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=self.PREFIX_CACHING)
-        self.swap = SwapSpace(self.kv, num_cpu_blocks) if config.preemption_mode != "recompute" else None
+        self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=self.PREFIX_CACHING)
+        self.swap = SwapSpace(self.kv_cache_manager, num_cpu_blocks) if config.preemption_mode != "recompute" else None
         # auto: with these speeds a victim is swapped when its blocks are on average more than 3/4 full
         copy_speed = 2 * 64 / (0.75 * config.block_size * 1e-3)
         cost_model = PreemptionCostModel(64, config.block_size, copy_bytes_per_s=copy_speed, prefill_tokens_per_s=1e3)
-        self.scheduler = Scheduler(config, self.kv, self.swap, cost_model)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.swap, cost_model)
         self.max_prompt_len = config.max_model_len - 1
         if not config.enable_chunked_prefill:  # the engine refuses longer prompts without chunked prefill
             self.max_prompt_len = min(self.max_prompt_len, config.max_num_batched_tokens)
@@ -144,7 +143,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         finished, _ = self.scheduler.finish_groups([group_id], RequestStatus.FINISHED_ABORTED)
         assert sorted(r.request_id for r in finished) == sorted(members)
         for request_id in members:
-            assert request_id not in self.kv.block_tables
+            assert request_id not in self.kv_cache_manager.block_tables
             assert self.swap is None or request_id not in self.swap.block_tables
             del self.tokens[request_id]
         self.beams.pop(group_id, None)
@@ -182,7 +181,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduler, config = self.scheduler, self.config
         running_before = list(scheduler.running)
         swapped_before = {r.request_id for r in scheduler.swapped}
-        free_before = set(self.kv.pool.free_block_ids())
+        free_before = set(self.kv_cache_manager.pool.free_block_ids())
 
         drafts = self._propose(data) if self.SPECULATE and data is not None else {}
         out = scheduler.schedule(drafts or None)
@@ -193,7 +192,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if scheduler.requests or out.scheduled:
             assert out.scheduled or out.preempted or out.swapped_in or out.failed, (
                 f"a step did nothing: waiting {list(scheduler.waiting)}, running {scheduler.running}, swapped "
-                f"{scheduler.swapped}, {self.kv.num_free_blocks} free blocks, {scheduler.num_running_seqs} seats used"
+                f"{scheduler.swapped}, {self.kv_cache_manager.num_free_blocks} free blocks, {scheduler.num_running_seqs} seats used"
             )
         children = [child for _, child in out.forked]
         for parent, child in out.forked:
@@ -249,7 +248,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert not out.preempted, "speculated in a step that preempted"
             tokens = self.tokens[s.request_id] + list(s.spec_token_ids)
             assert s.token_ids == tuple(tokens[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
-            assert s.block_ids == tuple(self.kv.block_tables[s.request_id].block_ids)
+            assert s.block_ids == tuple(self.kv_cache_manager.block_tables[s.request_id].block_ids)
             for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
                 self.device_kv[s.block_ids[p // size] * size + p % size] = tuple(tokens[: p + 1])
         for s in out.scheduled:
@@ -289,7 +288,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 decisions.append(self._beam_decision(group_id, data))
                 beam["ready"].clear()
 
-        update = scheduler.update_from_output(out, sampled, decisions, None, num_accepted)
+        update = scheduler.update_from_output(out, ModelRunnerOutput(emitted), decisions)
 
         appended = {u.request_id for u in update.sequences if u.new_token_ids and u.request_id in sampled}
         assert appended == set(sampled)
@@ -320,14 +319,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         for group_id in [g for g in self.added_at if g not in self.finished and g not in scheduler.groups]:
             self._forget_group(group_id, "done")
         freed = set(out.freed) | set(update.freed)
-        free_now = set(self.kv.pool.free_block_ids())
+        free_now = set(self.kv_cache_manager.pool.free_block_ids())
         assert free_now <= free_before | freed or aborted, "a block became free without being reported"
         self.num_steps += 1
 
     def _propose(self, data) -> dict[str, tuple[int, ...]]:
         """Drafts for some running decodes: a few the fake model would produce, then perhaps wrong ones."""
         drafts = {}
-        for request in draft_requests(self.scheduler, 4):
+        for request in self.scheduler.draft_requests(4):
             if data.draw(st.integers(0, 3), "drafts?") == 0:
                 continue
             rid, right = request.request_id, []
@@ -346,7 +345,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert tokens[-1] == EOS and u.request_id == u.group_id, "only the fake model's EOS stops a request"
         else:
             assert num_output == self.max_tokens[u.group_id] or len(tokens) == self.config.max_model_len
-        assert u.request_id not in self.kv.block_tables
+        assert u.request_id not in self.kv_cache_manager.block_tables
 
     def _forget_group(self, group_id: str, how: str) -> None:
         self.finished[group_id] = how
@@ -391,8 +390,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._step(None)  # beam searches keep their best beam until they end
             self.check_state()
         assert not self.scheduler.has_unfinished_requests(), f"livelock: not finished after {bound} steps"
-        assert self.kv.num_free_blocks == self.config.num_kv_blocks and not self.kv.block_tables, "device blocks leaked"
-        assert not self.kv.pending_copy_sources
+        assert self.kv_cache_manager.num_free_blocks == self.config.num_kv_blocks and not self.kv_cache_manager.block_tables, "device blocks leaked"
+        assert not self.kv_cache_manager.pending_copy_sources
         if self.swap is not None:
             assert not self.swap.block_tables and self.swap.pool.num_used_blocks == 0, "CPU blocks leaked"
 

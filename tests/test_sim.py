@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from pagedlab.config import EngineConfig
+from pagedlab.sampling_params import BeamSearchParams
 from pagedlab.core.sched_output import ScheduledRequest
 from pagedlab.sim import Lengths, SimEngine, SimRequest, StepCostModel, load_calibration, make_workload, simulate
 from pagedlab.sim import calibrate, metrics
@@ -89,7 +90,7 @@ def test_kv_usage_agrees_with_the_benchmark_accounting():
     for usage, sample in zip(metrics.paged_usage(trace), kv_samples(trace)):
         assert (usage.allocated, usage.live) == (sample.allocated, sample.live)
         assert usage.allocated + usage.free == 300 * 8
-    assert any(r.copied for r in trace.steps) and trace.stats["num_preemptions"] > 0
+    assert any(r.copied for r in trace.steps) and trace.stats.num_preemptions > 0
 
 
 def test_beam_search_forks_prunes_and_ends_at_its_length():
@@ -97,7 +98,7 @@ def test_beam_search_forks_prunes_and_ends_at_its_length():
                           max_trace_steps=None)
     engine = SimEngine(config, STEP)
     for i in range(3):
-        engine.add_request(None, SimRequest(tuple(range(10 + i)), 12, beam_width=4))
+        engine.add_beam_request(None, list(range(10 + i)), BeamSearchParams(4, 12, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
         engine.scheduler.check_invariants()
@@ -295,4 +296,4 @@ def test_the_pressure_validation_workloads_preempt_at_full_scale():
         requests, config = calibrate.validation_workloads(100, 1.0)[name]
         max_model_len = max(r.num_prompt_tokens + r.output_len for r in requests)
         trace = simulate(requests, cost_model=STEP, max_model_len=max_model_len, **config)
-        assert trace.stats[mode] > 0, name
+        assert getattr(trace.stats, mode) > 0, name

@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 from pagedlab import LLMEngine
 from pagedlab.config import EngineConfig
 from pagedlab.core.block_table import cdiv
-from pagedlab.core.trace import StepRecord
-from pagedlab.sim import SimRequest, StepCostModel, simulate
-from pagedlab.sim.calibrate import replay
+from pagedlab.core.trace import first_difference
+from pagedlab.sim import SimRequest, StepCostModel, drive_requests, simulate
 from tests.conftest import random_prompts, tiny_model
 
 STEP = StepCostModel.constant(1.0)
@@ -49,35 +48,22 @@ def workload(seed: int, num: int = 7, shared_prefix: int = 0, n: int = 1, late: 
 
 
 def run_engine(model, requests: list[SimRequest], config: EngineConfig) -> LLMEngine:
-    """Drive the engine with the simulator's clock (`replay`: a step that computes something lasts one second),
-    checking its invariants after every step."""
+    """Drive the engine with the simulator's clock (a step that computes something lasts one second), checking
+    its invariants after every step."""
     engine = LLMEngine(model, None, config)
-    replay(engine, requests, STEP, on_step=engine.check_invariants)
+    drive_requests(engine, requests, STEP, on_step=lambda record, start_s: engine.check_invariants())
     return engine
 
 
-def comparable(record: StepRecord) -> dict:
-    """Every field of a step but its duration and the token values (made up by the simulator)."""
-    fields = {name: getattr(record, name) for name in record.__dataclass_fields__ if name != "duration_s"}
-    fields["scheduled"] = tuple(
-        (s.request_id, s.group_id, s.num_computed_tokens, s.num_new_tokens, s.block_ids,
-         tuple(t.request_id for t in s.sampling))
-        for s in record.scheduled
-    )
-    fields["appended"] = tuple(request_id for request_id, _ in record.appended)
-    return fields
-
-
 def assert_same_trace(engine: LLMEngine, trace) -> None:
-    assert len(trace) == len(engine.trace), f"engine {len(engine.trace)} steps, simulator {len(trace)}"
-    for real, simulated in zip(engine.trace, trace):
-        a, b = comparable(real), comparable(simulated)
-        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-        assert not diff, f"step {real.step}: engine != simulator in {sorted(diff)}:\n{diff}"
+    """The same schedule (`pagedlab.core.trace.schedule_of`: every field but durations and token values) at every
+    step, and the same counters."""
+    difference = first_difference(engine.trace, trace)
+    assert difference is None, f"engine != simulator: {difference}"
     stats = engine.stats()
-    assert trace.stats["num_preemptions"] == stats.num_preemptions
-    assert trace.stats["prefix_cache_hits"] == stats.prefix_cache_hits
-    assert trace.stats["num_swapped_out_blocks"] == stats.num_swapped_out_blocks
+    assert trace.stats.num_preemptions == stats.num_preemptions
+    assert trace.stats.prefix_cache_hits == stats.prefix_cache_hits
+    assert trace.stats.num_swapped_out_blocks == stats.num_swapped_out_blocks
 
 
 CASES = {
@@ -136,9 +122,9 @@ def events(trace) -> set[str]:
     """What happened in a trace, in the words of `CASES`."""
     stats, steps = trace.stats, trace.steps
     found = {
-        "recompute": stats["num_preemptions_recompute"], "swap": stats["num_preemptions_swap"],
-        "partial": stats["num_preemptions_partial"], "hit": stats["prefix_cache_hits"],
-        "evict": stats["num_evicted_blocks"], "fork": any(r.forked for r in steps),
+        "recompute": stats.num_preemptions_recompute, "swap": stats.num_preemptions_swap,
+        "partial": stats.num_preemptions_partial, "hit": stats.prefix_cache_hits,
+        "evict": stats.num_evicted_blocks, "fork": any(r.forked for r in steps),
         "copy": any(r.copied for r in steps),
         "chunk": any(s.num_new_tokens > 1 and not s.sampling for r in steps for s in r.scheduled),
         "idle": any(b > a + 1 for a, b in zip(trace.step_start_s, trace.step_start_s[1:])),

@@ -32,6 +32,7 @@ def paged_concurrency(
     """Run (prompt_len, output_len) requests through the real scheduler on num_slots // block_size blocks."""
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
+    from pagedlab.core.sched_output import ModelRunnerOutput
     from pagedlab.config import EngineConfig
     from pagedlab.core.scheduler import Scheduler
     from pagedlab.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ def paged_concurrency(
         output = scheduler.schedule()
         if scheduler.waiting:
             running.append(len(scheduler.running))
-        scheduler.update_from_output(output, {s.request_id: 7 for s in output.scheduled if s.samples})
+        made_up = {s.request_id: (7,) for s in output.scheduled if s.is_sampling}
+        scheduler.update_from_output(output, ModelRunnerOutput(made_up))
         steps += 1
         if steps > 100 * sum(p + o for p, o in lengths):
             raise RuntimeError("the paged simulation made no progress")

@@ -130,7 +130,7 @@ class DecodeStep:
 
     def run(self, attention: str = ATTENTION_NAME, clock=time.perf_counter) -> float:
         """Seconds for one forward over the step (logits for every row), with the given attention."""
-        self.metadata._masks.clear()  # per-step caches: a real step builds them afresh
+        self.metadata.clear_caches()  # a real step builds them afresh
         context = PagedAttentionContext(self.metadata, self.kv_cache, "torch")
         start = clock()
         with attention_implementation(self.model, attention):

@@ -19,7 +19,6 @@ import torch
 
 from pagedlab.core.block_table import cdiv
 from pagedlab.core.sched_output import ScheduledRequest
-from pagedlab.worker.attention import PagedAttentionContext
 
 
 def teacher_forced(llm, token_ids: Sequence[int], chunk: int = 256) -> Iterator[torch.Tensor]:
@@ -35,12 +34,7 @@ def teacher_forced(llm, token_ids: Sequence[int], chunk: int = 256) -> Iterator[
     for start in range(0, len(token_ids), chunk):
         new = tuple(token_ids[start : start + chunk])
         scheduled = ScheduledRequest("teacher-forced", start, len(new), "teacher-forced", new, block_ids)
-        with torch.inference_mode():
-            input_ids, positions, _, metadata = runner._prepare([scheduled])
-            context = PagedAttentionContext(metadata, runner.kv_cache, runner.attention_backend, runner.kv_scales)
-            keep = torch.arange(len(new), device=runner.device)
-            logits = runner._forward(input_ids, positions, context, keep)
-            yield torch.log_softmax(logits.float(), dim=-1)
+        yield torch.log_softmax(runner.logits([scheduled]).float(), dim=-1)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 12
     """Median seconds per step of schedule() + update_from_output() over `num_steps` decode steps."""
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
+    from pagedlab.core.sched_output import ModelRunnerOutput
     from pagedlab.config import EngineConfig
     from pagedlab.core.scheduler import Scheduler
     from pagedlab.sampling_params import SamplingParams
@@ -55,8 +56,8 @@ def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 12
     def step() -> float:
         start = time.perf_counter()
         output = scheduler.schedule()
-        sampled = {s.request_id: 7 for s in output.scheduled if s.samples}
-        update = scheduler.update_from_output(output, sampled)
+        made_up = {s.request_id: (7,) for s in output.scheduled if s.is_sampling}
+        update = scheduler.update_from_output(output, ModelRunnerOutput(made_up))
         elapsed = time.perf_counter() - start
         for _ in update.finished:
             arrive()

@@ -169,9 +169,10 @@ def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system
 def _latencies(trace, step_times: list[float], arrived: dict[str, float]) -> dict:
     """Per-request token times from the trace's `appended` (one record per `step()` call, in order)."""
     token_times: dict[str, list[float]] = {}
+    group_of = trace.group_ids()
     for record, at in zip(trace.steps[-len(step_times):] if step_times else (), step_times):
         for sequence_id, _ in record.appended:
-            token_times.setdefault(sequence_id.partition(":")[0], []).append(at)
+            token_times.setdefault(group_of[sequence_id], []).append(at)
     ttft, tpot, itl = [], [], []
     for rid, times in token_times.items():
         if rid in arrived:

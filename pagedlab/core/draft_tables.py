@@ -40,7 +40,7 @@ class DraftTables:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.held: dict[str, list[int]] = {}  # request_id -> the tokens whose KV the draft holds
         self.num_committed: dict[str, int] = {}  # request_id -> how many of them are the sequence's own tokens
 
@@ -60,7 +60,7 @@ class DraftTables:
             while n < len(held) and n < len(tokens) and held[n] == tokens[n]:
                 n += 1
             n = min(n, len(tokens) - 1)  # the newest token is computed again: its row gives the first draft
-            rollbacks.append(self.kv.rollback(request.request_id, n))
+            rollbacks.append(self.kv_cache_manager.rollback(request.request_id, n))
             del held[n:]
             self.num_committed[request.request_id] = n
         return freed, rollbacks
@@ -80,7 +80,7 @@ class DraftTables:
             tokens = [*request.token_ids, *drafts[rid]]
             start = len(self.held[rid])
             num_new = min(len(tokens) - start, budget)
-            allocation = self.kv.allocate_slots(rid, start + num_new)
+            allocation = self.kv_cache_manager.allocate_slots(rid, start + num_new)
             if allocation is None:
                 self._drop(rid)
                 continue
@@ -89,7 +89,7 @@ class DraftTables:
             reaches_end = start + num_new == len(tokens)
             batch.append(ScheduledRequest(
                 rid, start, num_new, rid, tuple(tokens[start : start + num_new]),
-                tuple(self.kv.block_tables[rid].block_ids), (SamplingRequest(rid, GREEDY),) if reaches_end else (),
+                tuple(self.kv_cache_manager.block_tables[rid].block_ids), (SamplingRequest(rid, GREEDY),) if reaches_end else (),
             ))
         return batch, new_blocks
 
@@ -103,27 +103,27 @@ class DraftTables:
             self.num_committed[rid] = committed
             request = requests[rid]
             tokens = request.token_ids
-            self.kv.cache_full_blocks(rid, committed, lambda a, b, t=tokens: list(t[a:b]), request.cache_salt)
+            self.kv_cache_manager.cache_full_blocks(rid, committed, lambda a, b, t=tokens: list(t[a:b]), request.cache_salt)
             if work.sampling:
                 drafts[rid].append(sampled[rid])
 
     def _start(self, request: DraftRequest) -> None:
         """A table for a sequence new to the draft, starting from its cached prefix (with prefix caching)."""
-        hits = self.kv.get_computed_blocks(request.token_ids, request.cache_salt)
-        if self.kv.allocate_slots(request.request_id, len(hits) * self.kv.block_size, hits) is None:
+        hits = self.kv_cache_manager.get_computed_blocks(request.token_ids, request.cache_salt)
+        if self.kv_cache_manager.allocate_slots(request.request_id, len(hits) * self.kv_cache_manager.block_size, hits) is None:
             hits = []  # taking cached free blocks needs free room: start empty instead
-            self.kv.allocate_slots(request.request_id, 0)
-        self.held[request.request_id] = list(request.token_ids[: len(hits) * self.kv.block_size])
+            self.kv_cache_manager.allocate_slots(request.request_id, 0)
+        self.held[request.request_id] = list(request.token_ids[: len(hits) * self.kv_cache_manager.block_size])
         self.num_committed[request.request_id] = len(self.held[request.request_id])
 
     def _drop(self, request_id: str) -> list[int]:
         self.held.pop(request_id, None)
         self.num_committed.pop(request_id, None)
-        return self.kv.free(request_id)
+        return self.kv_cache_manager.free(request_id)
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants()
-        assert set(self.held) == set(self.kv.block_tables), "a draft table without held tokens, or the reverse"
+        self.kv_cache_manager.check_invariants()
+        assert set(self.held) == set(self.kv_cache_manager.block_tables), "a draft table without held tokens, or the reverse"
         for request_id, held in self.held.items():
-            assert self.kv.block_tables[request_id].num_tokens == len(held), f"{request_id}: table and tokens differ"
+            assert self.kv_cache_manager.block_tables[request_id].num_tokens == len(held), f"{request_id}: table and tokens differ"
             assert self.num_committed[request_id] <= len(held)

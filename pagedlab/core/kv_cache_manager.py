@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pagedlab.core.block_hash import BlockHash, hash_block, root_hash
 from pagedlab.core.block_pool import BlockPool
 from pagedlab.core.block_table import BlockTable, cdiv
+from pagedlab.core.stats import KVCacheStats
 
 __all__ = ["Allocation", "BlockTable", "KVCacheManager", "Rollback", "cdiv"]
 
@@ -86,8 +87,11 @@ class KVCacheManager:
 
     # -- prefix caching -----------------------------------------------------------------------------------
 
-    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
-        """The longest run of cached full blocks holding a prefix of `token_ids`.
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, known_hashes: Sequence[BlockHash] = ()
+    ) -> list[int]:
+        """The longest run of cached full blocks holding a prefix of `token_ids`. `known_hashes`: the hashes of its
+        first blocks, computed once when the request arrived (`hash_prompt`); later blocks are hashed here.
 
         The last token is always left to compute (its logits are needed), so at most
         (len(token_ids) - 1) // block_size blocks can hit. Nothing is taken yet: see `allocate_slots`.
@@ -99,12 +103,26 @@ class KVCacheManager:
         parent = root_hash(cache_salt)
         for i in range((len(token_ids) - 1) // size):
             tokens = token_ids[i * size : (i + 1) * size]
-            parent = hash_block(parent, tokens)
+            parent = known_hashes[i] if i < len(known_hashes) else hash_block(parent, tokens)
             block_id = self.pool.lookup(parent, tokens)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def hash_prompt(self, token_ids: Sequence[int], cache_salt: str | None = None) -> tuple[BlockHash, ...]:
+        """The hashes of a prompt's full blocks (none without prefix caching): a request keeps them from arrival."""
+        if not self.enable_prefix_caching:
+            return ()
+        size, parent, hashes = self.block_size, root_hash(cache_salt), []
+        for i in range(len(token_ids) // size):
+            parent = hash_block(parent, token_ids[i * size : (i + 1) * size])
+            hashes.append(parent)
+        return tuple(hashes)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(self.pool.num_blocks, self.pool.num_used_blocks, self.block_size, self.num_query_tokens,
+                            self.num_hit_tokens, self.pool.num_evicted_blocks)
 
     def record_prefix_query(self, num_tokens: int, num_hit_blocks: int) -> None:
         """Count an admitted sequence's lookup in the hit-rate metrics (a blocked one may look again)."""

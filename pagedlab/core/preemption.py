@@ -24,11 +24,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.request import Request
 from pagedlab.core.sched_output import Move
-from pagedlab.core.swap_space import SwapSpace
+
+if TYPE_CHECKING:
+    from pagedlab.core.kv_cache_manager import KVCacheManager
+    from pagedlab.core.swap_space import SwapSpace
 
 
 class PreemptionMode(str, enum.Enum):

@@ -74,6 +74,7 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt  # an extra prefix-cache key: equal tokens with other salts never share KV
+        self.prompt_block_hashes: tuple[bytes, ...] = ()  # its prompt's full blocks, hashed once on arrival
         self.beam_width = beam_width  # > 0 for beam search: the engine's beam step picks its tokens
         self.forked = False  # set once the n - 1 other samples have been forked from this one
         self.num_computed_tokens = 0
@@ -136,6 +137,7 @@ class Request:
             sample_index=sample_index, beam_width=self.beam_width,
         )
         child.output_token_ids = list(self.output_token_ids)
+        child.prompt_block_hashes = self.prompt_block_hashes
         child.num_computed_tokens = self.num_computed_tokens
         child.forked = True
         return child

@@ -1,16 +1,19 @@
 """The data of one step, as it flows one way: scheduler -> worker -> scheduler update -> output processor -> trace.
 
 `SchedulerOutput` is everything the worker needs to run the step (which tokens of which sequences, through
-which block tables, sampled how) and everything the trace records of the decision (blocks allocated, copied,
-swapped, freed and evicted; who was preempted, forked or failed). `UpdateOutput` is what the scheduler did with
-the step's results. All of it is frozen, and none of it holds a live object of the core.
+which block tables, sampled how, and which sequences finished since the last step) and everything the trace
+records of the decision (blocks allocated, copied, swapped, freed and evicted; who was preempted, forked or
+failed). `ModelRunnerOutput` is what the worker computed, whole: each sequence's new tokens in one shape, their
+logprobs, and the groups whose processing raised. `UpdateOutput` is what the scheduler did with it. All of it is
+frozen, and none of it holds a live object of the core.
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedlab.sampling_params import SamplingParams
 
@@ -55,7 +58,7 @@ class ScheduledRequest:
         return self.token_ids[len(self.token_ids) - self.num_spec_tokens :]
 
     @property
-    def samples(self) -> bool:
+    def is_sampling(self) -> bool:
         """The step reaches the sequence's newest token, so a token is drawn (or beam log-probabilities)."""
         return bool(self.sampling)
 
@@ -81,6 +84,8 @@ class SchedulerOutput:
     finished: tuple[tuple[str, str], ...] = ()  # (request_id, finish_reason): the failed groups' sequences
     freed: tuple[int, ...] = ()  # blocks that became free while scheduling
     evicted: tuple[int, ...] = ()  # cached blocks handed out again (their hash is gone)
+    # sequences finished since the previous step (any way: stopped, aborted, failed): the worker drops their state
+    finished_req_ids: tuple[str, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -89,6 +94,26 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Blocks copied between the pools before the step, out and in."""
+        return sum(len(pairs) for _, pairs in self.swapped_out + self.swapped_in)
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What the worker computed in one step, handed to `Scheduler.update_from_output` whole.
+
+    `sampled_token_ids`: each sequence that drew, its new tokens in one shape: one token, or (speculative
+    decoding) the accepted drafts followed by the token drawn after them. `logprobs`: for the sequences that asked,
+    one {token_id: logprob} per new token. `beam_logprobs`: each beam sequence's next-token log-probabilities (a
+    [vocab_size] tensor), for the beam step. `errors`: the groups whose processing raised, with the message."""
+
+    sampled_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    logprobs: dict[str, tuple[dict[int, float], ...]] = field(default_factory=dict)
+    beam_logprobs: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,12 +139,14 @@ class SequenceUpdate:
 
 @dataclass(frozen=True)
 class UpdateOutput:
-    """The scheduler's update after the model ran: tokens appended, forks, finishes, and blocks freed."""
+    """The scheduler's update after the model ran: tokens appended, forks, finishes, and blocks freed. `failed`
+    is the step's one error channel: every group that failed in it, in scheduling (it can never fit) or in the
+    worker (its processing raised), with why; the output processor turns each into an error output."""
 
     sequences: tuple[SequenceUpdate, ...]
     forked: tuple[tuple[str, str], ...] = ()  # (parent, child): beams forked by the beam step
     beam_ids: tuple[tuple[str, tuple[str, ...]], ...] = ()  # per beam decision: the sequence of each continuation
-    failed: tuple[tuple[str, str], ...] = ()  # (group_id, why): groups whose processing raised
+    failed: tuple[tuple[str, str], ...] = ()  # (group_id, why): groups that failed in this step
     freed: tuple[int, ...] = ()
     verified: tuple[tuple[str, int, int], ...] = ()  # speculative decoding: (request_id, drafts, drafts accepted)
     rolled_back: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (request_id, slots of the rejected drafts)

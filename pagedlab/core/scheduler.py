@@ -18,6 +18,7 @@ forks samples and beams, and finishes what stopped. It imports no torch.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 
@@ -25,16 +26,19 @@ from pagedlab.config import EngineConfig
 from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode, preempt_group, preempt_tail
 from pagedlab.core.request import Request, RequestStatus
-from pagedlab.core.sched_output import BeamDecision, SchedulerOutput, SequenceUpdate, UpdateOutput
+from pagedlab.core.kv_cache_manager import Allocation
+from pagedlab.core.sched_output import (
+    BeamDecision, ModelRunnerOutput, SchedulerOutput, SequenceUpdate, UpdateOutput,
+)
 from pagedlab.core.scheduler_state import RUNNING, SchedulerState, runs_by_group
 from pagedlab.core.scheduler_step import StepBuilder
-from pagedlab.core.speculation import accept, speculate
-from pagedlab.core.stats import SchedulerStats
+from pagedlab.core.speculation import SpeculativeScheduling
 from pagedlab.core.swap_space import SwapSpace
 
 
-class Scheduler(SchedulerState):
-    """Decides each step over the queues of `SchedulerState` (which keeps the books and the invariants)."""
+class Scheduler(SchedulerState, SpeculativeScheduling):
+    """Decides each step over the queues of `SchedulerState` (which keeps the books and the invariants), and
+    applies each step's results. It is the only thing that changes the scheduler's state."""
 
     def __init__(
         self,
@@ -53,19 +57,19 @@ class Scheduler(SchedulerState):
         super().__init__(kv_cache_manager, swap_space, config.max_num_seqs)
         self.config = config
         self.cost_model = cost_model
-        self.stats = SchedulerStats()
         self._rng = random.Random(config.seed)
 
     # -- one step -------------------------------------------------------------------------------------------
 
     def schedule(self, draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
         """One step's decisions. `draft_token_ids`: proposed tokens of running decodes (speculative decoding)."""
-        step = StepBuilder(self)
+        step = StepBuilder(self.config.max_num_batched_tokens)
         partial = self.config.enable_partial_preemption
 
-        # 0. For tests (vLLM's trick): preempt the newest running group at random steps (partially: one block).
+        # 0. For tests (vLLM's trick): preempt the newest running group at random steps (partially: one block),
+        #    never the only one, so that the oldest request always progresses.
         forced = self.config.force_preemption_rate
-        if self.running and forced and self._rng.random() < forced:
+        if self.running and forced and self._rng.random() < forced and len(runs_by_group(self.running)) > 1:
             victims = runs_by_group(self.running)[-1]
             if not (partial and len(victims) == 1 and self._preempt_tail(victims[0], 1, step)):
                 self._preempt(victims, step)
@@ -90,7 +94,7 @@ class Scheduler(SchedulerState):
                 self.swapped.remove(request)
                 request.status = RUNNING
                 bisect.insort(self.running, request, key=Request.order.fget)
-                self.kv.cache_full_blocks(
+                self.kv_cache_manager.cache_full_blocks(
                     request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt
                 )
             self._schedule_group(group, step, may_preempt=False)
@@ -101,28 +105,31 @@ class Scheduler(SchedulerState):
             request = self.waiting[0]
             if self.num_running_seqs + self.seats_to_run([request]) > self.config.max_num_seqs:
                 break
-            hits = self.kv.get_computed_blocks(request.token_ids(0, request.num_tokens), request.cache_salt)
-            request.num_computed_tokens = len(hits) * self.kv.block_size
+            hits = self.kv_cache_manager.get_computed_blocks(
+                request.token_ids(0, request.num_tokens), request.cache_salt, request.prompt_block_hashes
+            )
+            request.num_computed_tokens = len(hits) * self.kv_cache_manager.block_size
             num_new_tokens = self._num_new_tokens(request, step.budget)
             allocation = None
             if num_new_tokens:
-                allocation = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new_tokens, hits)
+                allocation = self.kv_cache_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new_tokens, hits)
             if allocation is None:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.kv.record_prefix_query(request.num_tokens, len(hits))
+            self.kv_cache_manager.record_prefix_query(request.num_tokens, len(hits))
             request.status = RUNNING
             bisect.insort(self.running, request, key=Request.order.fget)
-            step.admit(request, num_new_tokens, allocation)
+            self._admit(request, num_new_tokens, allocation, step)
 
         # 4. Speculative decoding: the decodes scheduled above verify their draft tokens in the same pass, from the
         #    budget and free blocks nobody else took (`pagedlab.core.speculation`); never in a step that preempted.
         if draft_token_ids and not (step.preempted or step.stalled):
-            speculate(self, step, draft_token_ids)
+            self._speculate(step, draft_token_ids)
 
         self.stats.num_steps += 1
-        output = step.build(self.stats.num_steps)
+        output = step.build(self.stats.num_steps, self.finished_req_ids)
+        self.finished_req_ids = []
         if self.requests and not (output.scheduled or output.preempted or output.swapped_in or output.failed):
             raise RuntimeError(f"the scheduler made no progress (a bug): {self.requests}")
         return output
@@ -139,13 +146,13 @@ class Scheduler(SchedulerState):
                     plan.append((request, num_new_tokens))
                     budget -= num_new_tokens
             growths = [(r.request_id, r.num_computed_tokens + n, r.num_computed_tokens) for r, n in plan]
-            short = self.kv.num_blocks_needed(growths) - self.kv.num_free_blocks
+            short = self.kv_cache_manager.num_blocks_needed(growths) - self.kv_cache_manager.num_free_blocks
             if short <= 0:
                 for request, num_new_tokens in plan:
                     start = request.num_computed_tokens
-                    allocation = self.kv.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
+                    allocation = self.kv_cache_manager.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
                     assert allocation is not None, "the group's blocks were counted free"
-                    step.admit(request, num_new_tokens, allocation)
+                    self._admit(request, num_new_tokens, allocation, step)
                 return True
             if not may_preempt:
                 return True  # a group just swapped in: it runs next step
@@ -170,6 +177,22 @@ class Scheduler(SchedulerState):
                 step.freed += freed
                 return False
 
+    def _admit(self, request: Request, num_new_tokens: int, allocation: Allocation, step: StepBuilder) -> None:
+        """Put the sequence in the step. When the step reaches the end of an n > 1 request's prompt, its other
+        n - 1 samples are forked first: running, sharing all its blocks; sample i draws with seed + i when a seed
+        was given, so it equals a separate request with that seed."""
+        forks = []
+        if request.needs_fork and request.num_computed_tokens + num_new_tokens == request.num_tokens:
+            params = request.sampling_params
+            for i in range(1, params.n):
+                child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                child = request.fork(self.unique_id(f"{request.group_id}:{i}"), i, child_params)
+                self.add_fork(request, child)
+                forks.append(child)
+            request.forked = True
+        table = self.kv_cache_manager.block_tables[request.request_id]
+        step.admit(request, num_new_tokens, table.block_ids, allocation, forks)
+
     def _can_swap_in(self, group: Sequence[Request]) -> bool:
         """Room for the group in the sequence slots and in the device pool (with a block to spare for each
         sequence's next token while others run)."""
@@ -182,7 +205,7 @@ class Scheduler(SchedulerState):
         tokens = max(r.num_tokens for r in group) + 1
         return (
             f"the request needs more KV blocks than the cache holds: its {len(group)} sequences of up to {tokens} "
-            f"tokens do not fit in {self.kv.num_blocks} blocks of {self.kv.block_size} even alone; lower "
+            f"tokens do not fit in {self.kv_cache_manager.num_blocks} blocks of {self.kv_cache_manager.block_size} even alone; lower "
             "beam_width or max_tokens, or give the engine more KV memory"
         )
 
@@ -196,7 +219,7 @@ class Scheduler(SchedulerState):
 
     def _preempt(self, group: list[Request], step: StepBuilder) -> None:
         """Preempt a running group whole (see `pagedlab.core.preemption`) and move it to its new queue."""
-        preemption = preempt_group(group, self.mode, self.kv, self.swap_space, self.cost_model)
+        preemption = preempt_group(group, self.mode, self.kv_cache_manager, self.swap_space, self.cost_model)
         step.record(preemption)
         self.stats.record(preemption)
         for request in group:
@@ -211,6 +234,7 @@ class Scheduler(SchedulerState):
             for request in dropped:
                 request.status = RequestStatus.FINISHED_PRUNED
                 del self.requests[request.request_id]
+                self.finished_req_ids.append(request.request_id)
                 self.groups[root.group_id].remove(request)
             step.restarted.append((root.group_id, root.request_id))
             group = [root]
@@ -219,7 +243,7 @@ class Scheduler(SchedulerState):
             bisect.insort(self.waiting, request, key=Request.order.fget)
 
     def _preempt_tail(self, victim: Request, num_blocks: int, step: StepBuilder) -> bool:
-        preemption = preempt_tail(victim, num_blocks, self.kv)
+        preemption = preempt_tail(victim, num_blocks, self.kv_cache_manager)
         if preemption is None:
             return False
         step.record(preemption)
@@ -229,51 +253,46 @@ class Scheduler(SchedulerState):
     # -- after the model ran ---------------------------------------------------------------------------------
 
     def update_from_output(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[str, int],
-        beam_decisions: Sequence[BeamDecision] = (),
-        failed: Mapping[str, str] | None = None,
-        num_accepted: Mapping[str, int] | None = None,
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput, beam_decisions: Sequence[BeamDecision] = (),
     ) -> UpdateOutput:
-        """Advance each scheduled sequence by what was computed, append the sampled tokens, apply the beam steps
-        (fork the parents chosen twice, prune the others), and finish what stopped. `failed` maps the groups
-        whose processing raised to the error: they are finished first. `num_accepted`: for each sequence that
-        verified drafts, how many the model accepted (the rest are rolled back)."""
-        freed = self.kv.release_copy_sources([(source, copy) for _, source, copy in output.copies])
-        failed = dict(failed or {})
-        finished, failed_freed = self.finish_groups(failed, RequestStatus.FINISHED_ERROR)
+        """Apply the step's results: finish the groups whose processing raised, advance each scheduled sequence by
+        what was computed, append its new tokens (for a verified chunk, the accepted drafts and the token after
+        them; the rejected drafts' slots are rolled back), apply the beam steps (fork the parents chosen twice,
+        prune the others), and finish what stopped."""
+        freed = self.kv_cache_manager.release_copy_sources([(source, copy) for _, source, copy in output.copies])
+        finished, failed_freed = self.finish_groups(runner_output.errors, RequestStatus.FINISHED_ERROR)
         freed += failed_freed
         updates = [SequenceUpdate(r.request_id, r.group_id, (), "error") for r in finished]
         verified, rolled_back = [], []
+        new_token_ids = runner_output.sampled_token_ids
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RUNNING:
                 continue  # aborted, failed or finished after it was scheduled
             if scheduled.num_spec_tokens:
-                accepted = (num_accepted or {}).get(request.request_id, 0)
-                token_id = sampled[request.request_id]
-                rollback_freed, rollback = accept(self, request, scheduled, token_id, accepted, updates)
+                tokens = new_token_ids[request.request_id]
+                rollback_freed, rollback = self._accept(request, scheduled, tokens, updates)
                 freed += rollback_freed
-                verified.append((request.request_id, scheduled.num_spec_tokens, accepted))
+                verified.append((request.request_id, scheduled.num_spec_tokens, len(tokens) - 1))
                 rolled_back.append((request.request_id, rollback.slots))
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
-            self.kv.cache_full_blocks(
+            self.kv_cache_manager.cache_full_blocks(
                 request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt
             )
             for target in scheduled.sampling:
                 sequence = self.requests[target.request_id]
                 sequence.num_computed_tokens = request.num_computed_tokens  # a sample forked this step
                 if not sequence.is_beam:
-                    freed += self._append(sequence, sampled[sequence.request_id], updates)
+                    (token_id,) = new_token_ids[sequence.request_id]
+                    freed += self._append(sequence, token_id, updates)
         forked, beam_ids = [], []
         for decision in beam_decisions:
             if decision.group_id in self.groups:
                 beam_ids.append((decision.group_id, self._apply_beam_decision(decision, forked, updates, freed)))
+        failed = (*output.failed, *runner_output.errors.items())
         return UpdateOutput(
-            tuple(updates), tuple(forked), tuple(beam_ids), tuple(failed.items()), tuple(freed), tuple(verified),
-            tuple(rolled_back),
+            tuple(updates), tuple(forked), tuple(beam_ids), failed, tuple(freed), tuple(verified), tuple(rolled_back),
         )
 
     def _append(self, sequence: Request, token_id: int, updates: list[SequenceUpdate]) -> list[int]:

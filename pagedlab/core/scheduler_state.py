@@ -11,11 +11,13 @@ decides; this class keeps the books, answers for the invariants, and takes the s
 from __future__ import annotations
 
 import bisect
+import copy
 from collections import deque
 from collections.abc import Iterable, Sequence
 
 from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.request import Request, RequestStatus
+from pagedlab.core.stats import QueueStats, SchedulerStats
 from pagedlab.core.swap_space import SwapSpace
 from pagedlab.core.trace import BlockTableSnapshot, SchedulerSnapshot
 
@@ -47,20 +49,24 @@ class SchedulerState:
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, swap_space: SwapSpace | None, max_num_seqs: int) -> None:
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager
         self.swap_space = swap_space
         self.max_num_seqs = max_num_seqs
+        self.stats = SchedulerStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # group_id -> its unfinished sequences
+        self.finished_req_ids: list[str] = []  # finished since the last step: the next SchedulerOutput carries them
+        self.num_finished_groups = 0  # user requests finished (every sequence of the group), however they ended
 
     # -- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.group_id in self.groups:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.prompt_block_hashes = self.kv_cache_manager.hash_prompt(request.prompt_token_ids, request.cache_salt)
         self.requests[request.request_id] = request
         self.groups[request.group_id] = [request]
         self.waiting.append(request)
@@ -68,7 +74,7 @@ class SchedulerState:
     def add_fork(self, parent: Request, child: Request) -> None:
         """Run `child`, just forked from the running `parent`: it shares every block of the parent's table."""
         assert parent.status == RUNNING and child.request_id not in self.requests
-        self.kv.fork(parent.request_id, child.request_id)
+        self.kv_cache_manager.fork(parent.request_id, child.request_id)
         self.requests[child.request_id] = child
         self.groups[child.group_id].append(child)
         child.status = RUNNING
@@ -85,6 +91,22 @@ class SchedulerState:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_group(self, group_id: str) -> bool:
+        """A user request with this id is unfinished here."""
+        return group_id in self.groups
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> tuple[list[Request], list[int]]:
         """Finish sequences wherever they are (aborts, stop strings, errors). Unknown ids are skipped.
         Returns the sequences finished and the device blocks that became free."""
@@ -98,11 +120,13 @@ class SchedulerState:
             if request.status == RequestStatus.SWAPPED:
                 self.swap_space.free(request_id)
             request.status = status
-            freed += self.kv.free(request_id)
+            freed += self.kv_cache_manager.free(request_id)
+            self.finished_req_ids.append(request_id)
             members = self.groups[request.group_id]
             members.remove(request)
             if not members:
                 del self.groups[request.group_id]
+                self.num_finished_groups += 1
             finished.append(request)
         return finished, freed
 
@@ -128,9 +152,13 @@ class SchedulerState:
     def num_running_seqs(self) -> int:
         return sum(self.seats(group) for group in runs_by_group(self.running))
 
+    def queue_stats(self) -> QueueStats:
+        """The queues' lengths now and a frozen copy of the counters."""
+        return QueueStats(self.num_running, self.num_waiting, self.num_swapped, copy.deepcopy(self.stats))
+
     def snapshot(self) -> SchedulerSnapshot:
         """The queues, the block tables of both pools and the free counts, frozen (what the trace keeps)."""
-        kv, swap = self.kv, self.swap_space
+        kv, swap = self.kv_cache_manager, self.swap_space
 
         def tables(block_tables) -> tuple[BlockTableSnapshot, ...]:
             return tuple(BlockTableSnapshot(rid, tuple(t.block_ids), t.num_tokens) for rid, t in block_tables.items())
@@ -149,7 +177,7 @@ class SchedulerState:
     # -- checks ---------------------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants()
+        self.kv_cache_manager.check_invariants()
         if self.swap_space is not None:
             self.swap_space.check_invariants()
         queues = [self.waiting, self.running, self.swapped]
@@ -163,16 +191,16 @@ class SchedulerState:
             assert orders == sorted(orders), "running or swapped is not in arrival order"
         for request in self.swapped:
             assert request.status == RequestStatus.SWAPPED
-            assert request.request_id not in self.kv.block_tables, f"swapped {request.request_id} holds device blocks"
+            assert request.request_id not in self.kv_cache_manager.block_tables, f"swapped {request.request_id} holds device blocks"
             assert self.swap_space.block_tables[request.request_id].num_tokens == request.num_computed_tokens
         for request in self.running:
             assert request.status == RUNNING
-            table = self.kv.block_tables.get(request.request_id)
+            table = self.kv_cache_manager.block_tables.get(request.request_id)
             assert table is not None and table.num_tokens == request.num_computed_tokens, (
                 f"running {request.request_id}: {table and table.num_tokens} slots for {request.num_computed_tokens} "
                 "computed tokens (a rollback missed?)"
             )
         for request in self.waiting:
             assert request.status == RequestStatus.WAITING
-            assert request.request_id not in self.kv.block_tables, f"waiting {request.request_id} holds blocks"
+            assert request.request_id not in self.kv_cache_manager.block_tables, f"waiting {request.request_id} holds blocks"
             assert request.num_computed_tokens == 0

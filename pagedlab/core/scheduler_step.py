@@ -1,8 +1,9 @@
 """What one call of `Scheduler.schedule()` decides, gathered as it goes and frozen into a `SchedulerOutput`.
 
 Admitting a sequence into the step takes its tokens out of the budget and records its blocks; when the step
-reaches the end of an n > 1 request's prompt, its other n - 1 samples are forked here, sharing its blocks,
-and each draws its first token from the prompt's last row of logits.
+reaches the end of an n > 1 request's prompt, the scheduler forks its other n - 1 samples (sharing its blocks)
+and each draws its first token from the prompt's last row of logits. The builder only writes down what the
+scheduler decided: it changes no scheduler state.
 
 # Explained in chapters/05_continuous_batching.ipynb
 """
@@ -10,15 +11,12 @@ and each draws its first token from the prompt's last row of logits.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from pagedlab.core.kv_cache_manager import Allocation
 from pagedlab.core.preemption import Preemption
 from pagedlab.core.request import Request
 from pagedlab.core.sched_output import Move, SamplingRequest, ScheduledRequest, SchedulerOutput
-
-if TYPE_CHECKING:
-    from pagedlab.core.scheduler import Scheduler
 
 
 def sampling_request(request: Request) -> SamplingRequest:
@@ -33,9 +31,10 @@ def sampling_request(request: Request) -> SamplingRequest:
 
 
 class StepBuilder:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.budget = scheduler.config.max_num_batched_tokens
+    """Collects one step's decisions as the scheduler makes them; it changes no state of the scheduler."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens left in this step (max_num_batched_tokens at first)
         self.stalled = False  # with partial preemption, the newest request waits (keeping its blocks)
         self.scheduled: list[ScheduledRequest] = []
         self.allocated: list[tuple[str, tuple[int, ...]]] = []
@@ -51,18 +50,21 @@ class StepBuilder:
         self.freed: list[int] = []
         self.evicted: list[int] = []
 
-    def admit(self, request: Request, num_new_tokens: int, allocation: Allocation) -> None:
-        """Schedule `num_new_tokens` of the sequence, whose table `allocation` has just grown."""
+    def admit(
+        self, request: Request, num_new_tokens: int, block_ids: Sequence[int], allocation: Allocation,
+        forks: Sequence[Request] = (),
+    ) -> None:
+        """Schedule `num_new_tokens` of the sequence, whose table (`block_ids`) `allocation` has just grown. If the
+        step reaches its newest token it draws one; so does each of `forks`, the samples just forked from it."""
         self.budget -= num_new_tokens
         start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
         sampling = ()
         if stop == request.num_tokens:
-            targets = [request, *self._fork_samples(request)] if request.needs_fork else [request]
-            sampling = tuple(sampling_request(r) for r in targets)
-        table = self.scheduler.kv.block_tables[request.request_id]
+            sampling = tuple(sampling_request(r) for r in (request, *forks))
+        self.forked += [(request.request_id, child.request_id) for child in forks]
         self.scheduled.append(ScheduledRequest(
             request.request_id, start, num_new_tokens, request.group_id, tuple(request.token_ids(start, stop)),
-            tuple(table.block_ids), sampling,
+            tuple(block_ids), sampling,
         ))
         if allocation.new_block_ids:
             self.allocated.append((request.request_id, allocation.new_block_ids))
@@ -70,32 +72,19 @@ class StepBuilder:
             self.copies.append((request.request_id, *allocation.copy))
         self.evicted += allocation.evicted
 
-    def speculate(self, index: int, draft_token_ids: tuple[int, ...], allocation: Allocation) -> None:
+    def speculate(
+        self, index: int, draft_token_ids: tuple[int, ...], block_ids: Sequence[int], allocation: Allocation
+    ) -> None:
         """Extend the decode `scheduled[index]` by draft tokens to verify, whose slots `allocation` has just added."""
         work = self.scheduled[index]
         self.budget -= len(draft_token_ids)
-        table = self.scheduler.kv.block_tables[work.request_id]
         self.scheduled[index] = dataclasses.replace(
             work, num_new_tokens=work.num_new_tokens + len(draft_token_ids), token_ids=work.token_ids + draft_token_ids,
-            block_ids=tuple(table.block_ids), num_spec_tokens=len(draft_token_ids),
+            block_ids=tuple(block_ids), num_spec_tokens=len(draft_token_ids),
         )
         if allocation.new_block_ids:
             self.allocated.append((work.request_id, allocation.new_block_ids))
         self.evicted += allocation.evicted
-
-    def _fork_samples(self, first: Request) -> list[Request]:
-        """The other n - 1 samples of a request: running, sharing all its blocks; sample i draws with seed + i
-        when a seed was given, so it equals a separate request with that seed."""
-        scheduler, params = self.scheduler, first.sampling_params
-        children = []
-        for i in range(1, params.n):
-            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            child = first.fork(scheduler.unique_id(f"{first.group_id}:{i}"), i, child_params)
-            scheduler.add_fork(first, child)
-            self.forked.append((first.request_id, child.request_id))
-            children.append(child)
-        first.forked = True
-        return children
 
     def record(self, preemption: Preemption) -> None:
         self.preempted += preemption.request_ids
@@ -104,7 +93,7 @@ class StepBuilder:
         if preemption.is_partial:
             self.truncated.append((preemption.request_ids[0], preemption.kept_tokens))
 
-    def build(self, step: int) -> SchedulerOutput:
+    def build(self, step: int, finished_req_ids: Sequence[str] = ()) -> SchedulerOutput:
         return SchedulerOutput(
             step=step,
             scheduled=tuple(self.scheduled),
@@ -120,4 +109,5 @@ class StepBuilder:
             finished=tuple(self.finished),
             freed=tuple(self.freed),
             evicted=tuple(self.evicted),
+            finished_req_ids=tuple(finished_req_ids),
         )

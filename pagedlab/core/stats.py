@@ -45,3 +45,45 @@ class SchedulerStats:
             self.num_preemptions_swap += count
         else:
             self.num_preemptions_recompute += count
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The device pool and its prefix cache (`KVCacheManager.stats()`)."""
+
+    num_kv_blocks: int
+    num_used_blocks: int
+    block_size: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found cached (not computed)
+    num_evicted_blocks: int
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    """The CPU swap pool (`SwapSpace.stats()`); all zero without one."""
+
+    num_cpu_blocks: int = 0
+    num_used_cpu_blocks: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """The scheduler's queues now, and its counters over the engine's life (`Scheduler.queue_stats()`)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    counters: SchedulerStats
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """The engine core's own counters: what its steps computed and generated, and the pool's peak."""
+
+    peak_used_blocks: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prompts, recomputation and decodes)
+    num_generated_tokens: int = 0
+    num_finished: int = 0  # user requests finished, however they ended

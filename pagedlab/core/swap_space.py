@@ -22,6 +22,7 @@ from pagedlab.core.block_pool import BlockPool
 from pagedlab.core.block_table import BlockTable
 from pagedlab.core.kv_cache_manager import KVCacheManager
 from pagedlab.core.sched_output import Move
+from pagedlab.core.stats import SwapStats
 
 
 class SwapSpace:
@@ -34,7 +35,7 @@ class SwapSpace:
     """
 
     def __init__(self, kv: KVCacheManager, num_cpu_blocks: int) -> None:
-        self.kv = kv
+        self.kv_cache_manager = kv
         self.pool = BlockPool(max(num_cpu_blocks, 1))
         self.num_cpu_blocks = num_cpu_blocks
         self.block_tables: dict[str, BlockTable] = {}
@@ -49,7 +50,7 @@ class SwapSpace:
         return list(dict.fromkeys(b for table in tables for b in table.block_ids))
 
     def num_blocks_to_swap_out(self, request_ids: Sequence[str]) -> int:
-        return len(self._distinct([self.kv.block_tables[r] for r in request_ids]))
+        return len(self._distinct([self.kv_cache_manager.block_tables[r] for r in request_ids]))
 
     def num_blocks_to_swap_in(self, request_ids: Sequence[str]) -> int:
         return len(self._distinct([self.block_tables[r] for r in request_ids]))
@@ -61,18 +62,18 @@ class SwapSpace:
         """Move the requests' tables to the CPU pool. Returns, per request, the (device, cpu) block pairs to
         copy (a shared block is listed once, under its first holder), and the device blocks that became
         free. The requests' prefix-cache hashes go with their device tables (swap-in rehashes)."""
-        moves = self._move([self.kv.block_tables[r] for r in request_ids], self.pool, request_ids, self.block_tables)
-        freed = [b for r in request_ids for b in self.kv.free(r)]
+        moves = self._move([self.kv_cache_manager.block_tables[r] for r in request_ids], self.pool, request_ids, self.block_tables)
+        freed = [b for r in request_ids for b in self.kv_cache_manager.free(r)]
         self.num_swapped_out_blocks += sum(len(pairs) for _, pairs in moves)
         return moves, freed
 
     def can_swap_in(self, request_ids: Sequence[str], num_spare_blocks: int = 0) -> bool:
-        return self.num_blocks_to_swap_in(request_ids) + num_spare_blocks <= self.kv.num_free_blocks
+        return self.num_blocks_to_swap_in(request_ids) + num_spare_blocks <= self.kv_cache_manager.num_free_blocks
 
     def swap_in(self, request_ids: Sequence[str]) -> list[Move]:
         """Move the requests' tables back to the device pool. Returns, per request, the (cpu, device) pairs."""
         tables = [self.block_tables.pop(r) for r in request_ids]
-        moves = self._move(tables, self.kv.pool, request_ids, self.kv.block_tables)
+        moves = self._move(tables, self.kv_cache_manager.pool, request_ids, self.kv_cache_manager.block_tables)
         for table in tables:
             self.pool.free(table.block_ids)
         self.num_swapped_in_blocks += sum(len(pairs) for _, pairs in moves)
@@ -98,12 +99,16 @@ class SwapSpace:
         table = self.block_tables.pop(request_id, None)
         return self.pool.free(table.block_ids) if table is not None else []
 
+    def stats(self) -> SwapStats:
+        used = self.pool.num_used_blocks if self.num_cpu_blocks else 0
+        return SwapStats(self.num_cpu_blocks, used, self.num_swapped_out_blocks, self.num_swapped_in_blocks)
+
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        assert not set(self.block_tables) & set(self.kv.block_tables), "a request holds tables in both pools"
+        assert not set(self.block_tables) & set(self.kv_cache_manager.block_tables), "a request holds tables in both pools"
         holders = [0] * self.pool.num_blocks
         for request_id, table in self.block_tables.items():
-            assert len(table.block_ids) == self.kv.num_blocks_for(table.num_tokens), f"{request_id}: CPU table size"
+            assert len(table.block_ids) == self.kv_cache_manager.num_blocks_for(table.num_tokens), f"{request_id}: CPU table size"
             for block_id in table.block_ids:
                 holders[block_id] += 1
         assert holders == self.pool.ref_count, "CPU ref counts differ from the CPU tables"

@@ -11,6 +11,7 @@ A `Trace` keeps the most recent `max_steps` records (all of them when None), so 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pagedlab.core.sched_output import Move, ScheduledRequest, SchedulerOutput, UpdateOutput
@@ -78,6 +79,11 @@ class StepRecord:
     def num_prefill_tokens(self) -> int:
         return self.num_batched_tokens - self.num_decode_tokens
 
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Blocks copied between the pools in this step, out and in."""
+        return sum(len(pairs) for _, pairs in self.swapped_out + self.swapped_in)
+
     @classmethod
     def build(
         cls, output: SchedulerOutput, update: UpdateOutput, state: SchedulerSnapshot, stopped: tuple = (),
@@ -141,3 +147,38 @@ class Trace:
 
     def __iter__(self):
         return iter(self.steps)
+
+    def group_ids(self) -> dict[str, str]:
+        """Which user request each sequence of the recorded steps belongs to (read from the records, never from
+        the ids): a scheduled sequence's `group_id`, and a fork's its parent's."""
+        group_of: dict[str, str] = {}
+        for record in self.steps:
+            for scheduled in record.scheduled:
+                group_of[scheduled.request_id] = scheduled.group_id
+            for parent, child in record.forked:
+                group_of[child] = group_of.get(parent, parent)
+        return group_of
+
+
+def schedule_of(record: StepRecord) -> StepRecord:
+    """The record without what depends on the model: token values (kept: who got one) and the step's time. Two
+    engines made the same schedule when these are equal at every step (the one definition of it)."""
+    scheduled = tuple(
+        dataclasses.replace(s, token_ids=(), sampling=tuple(dataclasses.replace(t, params=None) for t in s.sampling))
+        for s in record.scheduled
+    )
+    appended = tuple((rid, 0) for rid, _ in record.appended)
+    return dataclasses.replace(record, scheduled=scheduled, appended=appended, duration_s=0.0)
+
+
+def first_difference(trace: Trace, other: Trace) -> str | None:
+    """None if the two traces made the same decisions at every step; else the first step and field that differ."""
+    if len(trace) != len(other):
+        return f"{len(trace)} steps against {len(other)}"
+    for a, b in zip(trace, other):
+        a, b = schedule_of(a), schedule_of(b)
+        for name in (f.name for f in dataclasses.fields(StepRecord)):
+            x, y = getattr(a, name), getattr(b, name)
+            if x != y:
+                return f"step {a.step}, {name}: {x!r} against {y!r}"
+    return None

@@ -5,7 +5,7 @@ made-up tokens and no model, and step times from a cost model fitted to the real
     requests = make_workload(300, request_rate=4.0, output_len=Lengths("exponential", 128, low=8, high=512))
     trace = simulate(requests, num_kv_blocks=512, block_size=16, preemption_mode="swap")
 
-Modules: `workload` (seeded requests), `simulator` (`simulate`, `SimEngine`, `SimTrace`), `fake_model` (made-up
+Modules: `workload` (seeded requests), `simulator` (`simulate`, `SimEngine`, `SimTrace`, `drive_requests`), `fake_model` (made-up
 tokens and beam steps), `cost_model` (seconds per step, the shipped calibration), `calibrate` (fitting it to
 the real engine), `contiguous` (the same workload over contiguous reservations), `metrics` (what a trace says).
 
@@ -13,7 +13,7 @@ the real engine), `contiguous` (the same workload over contiguous reservations),
 """
 
 from pagedlab.sim.cost_model import Calibration, StepCostModel, load_calibration
-from pagedlab.sim.simulator import SimEngine, SimTrace, simulate
+from pagedlab.sim.simulator import SimEngine, SimTrace, drive_requests, simulate
 from pagedlab.sim.workload import Lengths, SimRequest, arrival_times, make_workload
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "SimTrace",
     "StepCostModel",
     "arrival_times",
+    "drive_requests",
     "load_calibration",
     "make_workload",
     "simulate",

@@ -1,7 +1,7 @@
 """Fitting the step cost model to the real engine, and measuring how far the simulator's times are from it.
 
 `measure_steps` runs workloads through the real `LLMEngine` several times. Requests join by the simulator's
-clock counted in steps (`replay`), so every repeat makes exactly the same steps and each step's duration
+clock counted in steps (`drive_requests`), so every repeat makes exactly the same steps and each step's duration
 can be taken as the median over the repeats (this machine is shared: single timings are noisy). `fit` solves
 non-negative least squares for the `StepCostModel` coefficients on those medians, weighting each step by
 1 / its duration, so that short decode steps count as much as long prefills (relative error). Swapping
@@ -16,46 +16,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedlab.sim.cost_model import StepCostModel, step_features
+from pagedlab.sim.simulator import drive_requests
 from pagedlab.sim.workload import Lengths, SimRequest, make_workload
-
-STEPS = StepCostModel.constant(1.0)  # replay's clock: a step that computes something lasts one "second"
-
-
-def replay(engine, requests: Sequence[SimRequest], cost_model: StepCostModel = STEPS,
-           on_step: Callable[[], None] | None = None) -> None:
-    """Drive a real `LLMEngine` as `simulate` drives its own: request i (in arrival order) is added as "i" before
-    the first step that starts at or after its arrival on a clock that advances by `cost_model`'s durations
-    of the steps recorded so far; an idle engine jumps to the next arrival. Greedy, EOS ignored. Prompt token
-    ids are taken modulo the model's vocabulary (lengths are what matter here)."""
-    from pagedlab.sampling_params import SamplingParams
-
-    vocab_size = engine.model.get_input_embeddings().num_embeddings
-    pending = sorted(enumerate(requests), key=lambda item: item[1].arrival_s)
-    clock, next_index = 0.0, 0
-    while next_index < len(pending) or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests():
-            clock = max(clock, pending[next_index][1].arrival_s)
-        while next_index < len(pending) and pending[next_index][1].arrival_s <= clock:
-            spec = pending[next_index][1]
-            params = SamplingParams(n=spec.n, temperature=1.0 if spec.n > 1 else 0.0, seed=next_index,
-                                    max_tokens=spec.output_len, ignore_eos=True)
-            prompt = [t % vocab_size for t in spec.prompt_token_ids]
-            engine.add_request(str(next_index), {"prompt_token_ids": prompt}, params)
-            next_index += 1
-        engine.step()
-        if on_step is not None:
-            on_step()
-        record = engine.trace[-1]
-        clock += cost_model.step_seconds(record.scheduled, _num_swapped(record))
-
-
-def _num_swapped(record) -> int:
-    return sum(len(pairs) for _, pairs in record.swapped_out + record.swapped_in)
-
 
 @dataclass(frozen=True)
 class StepTimes:
@@ -85,8 +51,8 @@ def measure_steps(model, tokenizer, name: str, requests: Sequence[SimRequest], r
     features, durations, engine = None, [], None
     for _ in range(repeats):
         engine = LLMEngine(model, tokenizer, config)
-        replay(engine, requests)
-        run_features = tuple(step_features(r.scheduled, _num_swapped(r)) for r in engine.trace)
+        drive_requests(engine, requests)
+        run_features = tuple(step_features(r.scheduled, r.num_swapped_blocks) for r in engine.trace)
         assert features is None or run_features == features, "a repeat made different steps"
         features = run_features
         durations.append(tuple(r.duration_s for r in engine.trace))

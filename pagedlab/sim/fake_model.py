@@ -1,4 +1,4 @@
-"""What stands in for the model in the simulator: made-up tokens, and made-up beam steps.
+"""What stands in for the model in the simulator: an executor of made-up tokens, and made-up beam steps.
 
 With EOS ignored the schedule does not depend on token values, so any tokens do; these are distinct across
 all sequences (a counter), so that no two sequences ever fill a block with the same content by chance, which
@@ -16,7 +16,8 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from pagedlab.core.sched_output import BeamDecision, SchedulerOutput, UpdateOutput
+from pagedlab.core.executor import WorkerInfo
+from pagedlab.core.sched_output import BeamDecision, ModelRunnerOutput, SchedulerOutput, UpdateOutput
 
 FIRST_MADE_UP_TOKEN = 1 << 20  # above any prompt token id of `pagedlab.sim.workload`
 
@@ -29,6 +30,24 @@ class MadeUpTokens:
 
     def __call__(self) -> int:
         return next(self._ids)
+
+
+class MadeUpExecutor:
+    """The device side of a simulation (an `Executor`, `pagedlab.core.executor`): a made-up token for every
+    sequence that samples. Beam sequences get no log-probabilities: `MadeUpBeams` makes their steps up."""
+
+    def __init__(self, info: WorkerInfo, tokens: MadeUpTokens) -> None:
+        self.info = info
+        self.tokens = tokens
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return ModelRunnerOutput({
+            target.request_id: (self.tokens(),)
+            for scheduled in scheduler_output.scheduled for target in scheduled.sampling if not target.is_beam
+        })
+
+    def shutdown(self) -> None:
+        """Nothing runs elsewhere."""
 
 
 @dataclass
@@ -51,7 +70,7 @@ class MadeUpBeams:
     def add(self, group_id: str, root_id: str, beam_width: int, max_tokens: int) -> None:
         self.groups[group_id] = _Group(beam_width, max_tokens, [root_id])
 
-    def step(self, output: SchedulerOutput) -> list[BeamDecision]:
+    def step(self, output: SchedulerOutput, runner_output: ModelRunnerOutput | None = None) -> list[BeamDecision]:
         """The beam steps of the groups whose every beam got its next-token distribution in this step."""
         for group_id, root_id in output.restarted:  # a recompute preemption sent it back to its prompt
             group = self.groups[group_id]

@@ -69,7 +69,7 @@ class DraftModelProposer:
             if not batch:
                 break
             self.runner.zero_blocks(new_blocks)
-            sampled = self.runner.execute(batch).sampled
+            sampled = {rid: tokens[-1] for rid, tokens in self.runner.execute(batch).sampled_token_ids.items()}
             self.tables.advance(batch, sampled, drafts, by_id)
             self.num_passes += 1
             self.num_tokens += sum(w.num_new_tokens for w in batch)

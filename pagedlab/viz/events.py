@@ -66,8 +66,8 @@ def _work(trace: Trace, index: int, work: ScheduledRequest, fresh: bool, recompu
     text = f"seq {work.request_id} "
     if fresh and start > 0:
         text += f"reused {start} cached tokens (blocks {list(blocks[: start // size])}) and "
-    what = "recomputed" if recompute and fresh else "prefilled" if fresh or work.samples else "computed"
-    chunk = "" if work.samples and (fresh or start == 0) else f" (chunk, tokens {start}-{end - 1})"
+    what = "recomputed" if recompute and fresh else "prefilled" if fresh or work.is_sampling else "computed"
+    chunk = "" if work.is_sampling and (fresh or start == 0) else f" (chunk, tokens {start}-{end - 1})"
     tokens = "1 token" if work.num_new_tokens == 1 else f"{work.num_new_tokens} tokens"
     return f"{text}{what} {tokens}{chunk} into blocks {list(touched)} (last block {(end - 1) % size + 1}/{size} full)"
 

@@ -78,6 +78,11 @@ class AttentionMetadata:
     _masks: dict = field(default_factory=dict)  # per-step cache of decode masks, by sliding window
     kernel_inputs: dict = field(default_factory=dict)  # per-step cache of what a kernel backend derives
 
+    def clear_caches(self) -> None:
+        """Forget what was derived for a step (masks, kernel inputs), as a new step starts afresh."""
+        self._masks.clear()
+        self.kernel_inputs.clear()
+
     def decode_buckets(self, block_size: int, sliding_window: int | None) -> list[DecodeBucket]:
         """The decodes split into length buckets (built on the first layer that asks, then reused)."""
         key = ("buckets", sliding_window)

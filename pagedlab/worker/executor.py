@@ -15,7 +15,6 @@ process (vLLM's "external launcher"); the scheduler is deterministic, so every r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -29,10 +28,10 @@ import torch
 
 from pagedlab.config import EngineConfig
 from pagedlab.core.preemption import PreemptionMode
-from pagedlab.core.sched_output import SchedulerOutput
+from pagedlab.core.executor import WorkerInfo
+from pagedlab.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlab.models import check_supported, load_tokenizer, model_path, resolve_device, resolve_dtype
 from pagedlab.worker.tensor_parallel import check_tensor_parallel_size
-from pagedlab.worker.worker import ModelRunnerOutput
 
 logger = logging.getLogger("pagedlab")
 START_METHOD_VARIABLE = "PAGEDLAB_WORKER_MULTIPROC_METHOD"  # forkserver (default where there is one), spawn, fork
@@ -128,7 +127,6 @@ class MultiprocExecutor:
 
         self.size, self.timeout = config.tensor_parallel_size, config.distributed_timeout
         self._failure: str | None = None
-        self._forget: list[str] = []
         # The ranks meet at a store this process hosts, on a free port: nothing to configure, no port to collide.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         context = _context()
@@ -149,25 +147,19 @@ class MultiprocExecutor:
             self.connections.append(ours)
         self.ranks: list[RankInfo] = self._gather("start-up")
         first = self.ranks[0]
-        self.config = dataclasses.replace(config, max_model_len=first.max_model_len)
-        self.num_blocks, self.num_cpu_blocks = first.num_blocks, first.num_cpu_blocks
-        self.bytes_per_block = first.bytes_per_block * self.size  # a block's bytes over all ranks
+        self.info = WorkerInfo(  # a block's bytes over all ranks
+            first.num_blocks, first.num_cpu_blocks, first.bytes_per_block * self.size, first.max_model_len,
+            first.attention_backend, first.cost_model,
+        )
         self.cpu_kv_cache = None
         if PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE:
             self.cpu_kv_cache = RemoteSwapPools(first.num_cpu_blocks, first.num_cpu_blocks * first.bytes_per_block)
-        self.cost_model = first.cost_model
-        self.attention_backend = first.attention_backend
 
-    # -- the Worker's interface ---------------------------------------------------------------------------------
+    # -- the Executor's interface (pagedlab.core.executor) -----------------------------------------------------
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Send the step to every rank; rank 0's output comes back (the others computed the same)."""
-        forget, self._forget = self._forget, []
-        return self.collective_rpc("execute_model", output, forget)[0]
-
-    def forget(self, request_ids) -> None:
-        """Finished sequences: the ranks drop their sampling state with the next step's message."""
-        self._forget.extend(request_ids)
+        return self.collective_rpc("execute_model", output)[0]
 
     def shutdown(self) -> None:
         """Stop every rank and wait for it (safe to call twice)."""

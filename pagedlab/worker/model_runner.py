@@ -14,27 +14,16 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 import torch
 
 from pagedlab.core.block_table import cdiv
-from pagedlab.core.sched_output import ScheduledRequest
+from pagedlab.core.sched_output import ModelRunnerOutput, ScheduledRequest
 from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext, PrefillChunk
 from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
 from pagedlab.worker.kv_quant import KVScales, is_quantized
 from pagedlab.worker.rejection_sampler import verify
 from pagedlab.worker.sampler import Sampler, SamplerOutput
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    sampled: dict[str, int]  # request_id -> the token drawn
-    logprobs: dict[str, dict[int, float]]  # request_id -> {token_id: logprob}, for the requests that asked
-    beam_logprobs: dict[str, torch.Tensor]  # beam sequence id -> [vocab_size] next-token log-probabilities
-    # speculative decoding: request_id -> drafts accepted (its logprobs are then a list, one per emitted token)
-    num_accepted: dict[str, int] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -133,7 +122,7 @@ class ModelRunner:
             source, target = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
             self.kv_cache[:, :, target] = self.kv_cache[:, :, source]
 
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> RunnerOutput:
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> ModelRunnerOutput:
         """Compute the step: draw a token for each sampling target; beam sequences get their next-token
         log-probabilities instead, for the beam step to choose from; sequences with drafts have them verified."""
         input_ids, positions, sample_rows, metadata = self._prepare(scheduled)
@@ -165,15 +154,24 @@ class ModelRunner:
             beam_logprobs = torch.log_softmax(logits[beam_rows].float(), dim=-1) if beam_rows else None
             checks = verify(verify_logits, [(verified[t.request_id].spec_token_ids, t) for t, _ in to_verify],
                             self.sampler) if to_verify else []
-        sampled = {target.request_id: token_id for target, token_id in zip(sampling, out.token_ids)}
-        logprobs = {t.request_id: lp for t, lp in zip(sampling, out.logprobs) if lp is not None}
+        sampled = {target.request_id: (token_id,) for target, token_id in zip(sampling, out.token_ids)}
+        logprobs = {t.request_id: (lp,) for t, lp in zip(sampling, out.logprobs) if lp is not None}
         beams = {targets[i].request_id: beam_logprobs[j] for j, i in enumerate(beam_rows)}
-        num_accepted = {}
-        for (target, _), check in zip(to_verify, checks):
-            sampled[target.request_id], num_accepted[target.request_id] = check.token_id, check.num_accepted
+        for (target, _), check in zip(to_verify, checks):  # the accepted drafts, then the token drawn after them
+            drafts = verified[target.request_id].spec_token_ids[: check.num_accepted]
+            sampled[target.request_id] = (*drafts, check.token_id)
             if check.logprobs is not None:
-                logprobs[target.request_id] = check.logprobs
-        return RunnerOutput(sampled, logprobs, beams, num_accepted)
+                logprobs[target.request_id] = tuple(check.logprobs)
+        return ModelRunnerOutput(sampled, logprobs, beams)
+
+    def logits(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """The model's logits for every row of one batch, without sampling (teacher-forced scoring): [rows, vocab]
+        in the batch's row order (decodes first, then prefill chunks)."""
+        input_ids, positions, _, metadata = self._prepare(scheduled)
+        context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend, self.kv_scales)
+        keep = torch.arange(len(input_ids), device=self.device)
+        with torch.inference_mode():
+            return self._forward(input_ids, positions, context, keep)
 
     def _prepare(self, scheduled: Sequence[ScheduledRequest]):
         """The flat batch: token ids, positions, the rows that sample, and attention metadata.

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pagedlab.config import EngineConfig
-from pagedlab.core.sched_output import SchedulerOutput
+from pagedlab.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlab.models import load_weights
 from pagedlab.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from pagedlab.worker.kv_quant import resolve_kv_cache_dtype
 from pagedlab.worker.tensor_parallel import CollectiveStats, shard_model
-from pagedlab.worker.worker import ModelRunnerOutput, Worker
+from pagedlab.worker.worker import Worker
 
 logger = logging.getLogger("pagedlab")
 
@@ -91,6 +91,7 @@ class RankWorker:
         shared = [self.worker.cost_model]
         dist.broadcast_object_list(shared, src=0, group=mesh.get_group())
         self.worker.cost_model = shared[0]
+        self.worker.info = dataclasses.replace(self.worker.info, cost_model=shared[0])
         self.worker.config = dataclasses.replace(
             self.worker.config, num_kv_blocks=config.num_kv_blocks, enforce_eager=config.enforce_eager
         )  # what the engine was asked for, with max_model_len resolved
@@ -103,8 +104,7 @@ class RankWorker:
             self.kv_cache_bytes(), self.kv_heads, worker.attention_backend, worker.cost_model,
         )
 
-    def execute_model(self, output: SchedulerOutput, forget: list[str]) -> ModelRunnerOutput:
-        self.worker.forget(forget)
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(output)
 
     def kv_cache_bytes(self) -> int:

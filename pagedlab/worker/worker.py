@@ -14,29 +14,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
 
 import torch
 
 from pagedlab.config import EngineConfig
+from pagedlab.core.executor import WorkerInfo, check_max_model_len
 from pagedlab.core.preemption import PreemptionMode
-from pagedlab.core.sched_output import SchedulerOutput
+from pagedlab.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlab.worker.kv_cache import GiB, KVCacheSpec, num_blocks_for_budget
 from pagedlab.worker.kv_quant import is_quantized, resolve_kv_cache_dtype
-from pagedlab.worker.model_runner import ModelRunner, RunnerOutput
+from pagedlab.worker.model_runner import ModelRunner
 from pagedlab.worker.swap import CPUKVCache, measure_cost_model
 
 logger = logging.getLogger("pagedlab")
 
 
-@dataclass(frozen=True)
-class ModelRunnerOutput(RunnerOutput):
-    errors: dict[str, str] = field(default_factory=dict)  # group_id -> what its processing raised
-
-
 class Worker:
-    """The device side in this process. `kv_cache_spec`: the KV cache's shape, by default the model's; a
-    tensor-parallel rank (`pagedlab.worker.tp_worker`) passes its share of the heads."""
+    """The device side in this process (an `Executor`, `pagedlab.core.executor`). `kv_cache_spec`: the KV cache's
+    shape, by default the model's; a tensor-parallel rank (`pagedlab.worker.tp_worker`) passes its share of the
+    heads."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
         if config.tensor_parallel_size > 1 and kv_cache_spec is None:
@@ -70,6 +66,8 @@ class Worker:
                 logger.info("%s", self.cost_model.explain())
         if self.model_runner.kv_scales is not None:  # after the start-up runs, so that real requests set them
             self.model_runner.kv_scales.calculate = config.calculate_kv_scales
+        self.info = WorkerInfo(self.num_blocks, self.num_cpu_blocks, self.bytes_per_block, max_model_len,
+                               self.attention_backend, self.cost_model)
 
     def _size_kv_cache(self, model_config, config: EngineConfig) -> tuple[int, int]:
         """The number of KV blocks and the resolved max_model_len (the model's limit, capped by the cache)."""
@@ -84,12 +82,8 @@ class Worker:
             kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
             max_useful_tokens=config.max_num_seqs * wanted_len,
         )
+        check_max_model_len(config.max_model_len, num_blocks, config.block_size)
         capacity = num_blocks * config.block_size
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} can never fit: the KV cache holds {num_blocks} blocks "
-                f"x {config.block_size} = {capacity} tokens; raise the KV budget or lower max_model_len"
-            )
         max_model_len = min(wanted_len, capacity)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s, KV in %s: %d bytes per token, %d tokens "
@@ -101,20 +95,22 @@ class Worker:
         return num_blocks, max_model_len
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply the step's block moves, then compute it (see the module docstring for failures)."""
+        """Drop the finished sequences' sampling state, apply the step's block moves, then compute it (see the
+        module docstring for failures)."""
+        for request_id in output.finished_req_ids:
+            self.model_runner.sampler.forget(request_id)
         self._move_blocks(output)
         if output.is_empty:
-            return ModelRunnerOutput({}, {}, {})
+            return ModelRunnerOutput()
         runner, sampler = self.model_runner, self.model_runner.sampler
         state = sampler.get_state()
         try:
-            result = runner.execute(output.scheduled)
-            return ModelRunnerOutput(result.sampled, result.logprobs, result.beam_logprobs, result.num_accepted)
+            return runner.execute(output.scheduled)
         except Exception as exc:  # noqa: BLE001
             if len({s.group_id for s in output.scheduled}) == 1:
-                return ModelRunnerOutput({}, {}, {}, errors={output.scheduled[0].group_id: _message(exc)})
+                return ModelRunnerOutput(errors={output.scheduled[0].group_id: _message(exc)})
         sampler.set_state(state)  # undo the draws of the failed batch: each request draws once
-        merged, errors = ModelRunnerOutput({}, {}, {}), {}
+        merged, errors = ModelRunnerOutput(), {}
         for scheduled in output.scheduled:
             if scheduled.group_id in errors:
                 continue  # failed already, with a sibling
@@ -123,17 +119,15 @@ class Worker:
             except Exception as exc:  # noqa: BLE001
                 errors[scheduled.group_id] = _message(exc)
                 continue
-            merged.sampled.update(one.sampled)
+            merged.sampled_token_ids.update(one.sampled_token_ids)
             merged.logprobs.update(one.logprobs)
             merged.beam_logprobs.update(one.beam_logprobs)
-            merged.num_accepted.update(one.num_accepted)
         alive = {s.request_id for s in output.scheduled if s.group_id not in errors}
         alive |= {t.request_id for s in output.scheduled if s.group_id not in errors for t in s.sampling}
         return ModelRunnerOutput(
-            {r: v for r, v in merged.sampled.items() if r in alive},
+            {r: v for r, v in merged.sampled_token_ids.items() if r in alive},
             {r: v for r, v in merged.logprobs.items() if r in alive},
             {r: v for r, v in merged.beam_logprobs.items() if r in alive},
-            {r: v for r, v in merged.num_accepted.items() if r in alive},
             errors,
         )
 
@@ -149,11 +143,6 @@ class Worker:
         if output.swapped_in:
             self.cpu_kv_cache.swap_in(runner.kv_cache, [p for _, pairs in output.swapped_in for p in pairs])
         runner.copy_blocks([(source, copy) for _, source, copy in output.copies])
-
-    def forget(self, request_ids) -> None:
-        """Finished sequences: drop their sampling state."""
-        for request_id in request_ids:
-            self.model_runner.sampler.forget(request_id)
 
     def shutdown(self) -> None:
         """Nothing to stop: everything runs in this process (an executor of worker processes stops them)."""
