@@ -29,7 +29,14 @@ import triton
 import triton.language as tl
 
 from .paged_decode import (
-    FP8_DTYPES, check_cache, check_devices, check_int, dot_in_fp32, kv_tile_bytes, load_kv_scales, load_kv_tile,
+    FP8_DTYPES,
+    check_cache,
+    check_devices,
+    check_int,
+    dot_in_fp32,
+    kv_tile_bytes,
+    load_kv_scales,
+    load_kv_tile,
 )
 
 

@@ -257,7 +257,7 @@ class AsyncLLM:
                 self._log(self._dispatch(start, end, outputs))
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - a broken engine fails every request, loudly
+        except BaseException as exc:
             logger.exception("the engine loop stopped")
             self.dead_error = exc
             error = EngineDeadError(f"the engine stopped after an error: {type(exc).__name__}: {exc}")

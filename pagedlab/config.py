@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names (worker/kv_quant.py)
-from pagedlab.spec_decode.config import SpeculativeConfig
+from pagedlab.spec_decode.config import SpeculativeConfig  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ class OutputProcessor:
             try:
                 if self._apply(sequence, u, logprobs.get(u.request_id)):
                     stopped.append(u.request_id)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            except Exception as exc:
                 failed[u.group_id] = f"{type(exc).__name__}: {exc}"
                 continue
             changed[u.group_id] = state

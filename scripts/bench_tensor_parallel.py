@@ -74,7 +74,7 @@ def main() -> None:
     step_times = {n: [] for n in args.sizes}
     reduce_per_step = {n: [] for n in args.sizes}
     results = {}
-    for n, engine in engines.items():  # warm-up (kernel loads, first-touch allocations), untimed
+    for engine in engines.values():  # warm-up (kernel loads, first-touch allocations), untimed
         run(engine, prompts[:2], 2)
     for _ in range(args.repeats):
         for n, engine in engines.items():

@@ -17,15 +17,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedlab import LLM  # noqa: E402
-from pagedlab.bench.agreement import (  # noqa: E402
+from pagedlab import LLM
+from pagedlab.bench.agreement import (
     Agreement,
     chat_prompts,
     divergence_margins,
     hf_greedy,
     pagedlab_greedy,
 )
-from pagedlab.models import load_model  # noqa: E402
+from pagedlab.models import load_model
 
 
 def main() -> None:

@@ -57,6 +57,7 @@ kernels' speed on a GPU is measured by nothing yet. Without CUDA it prints why a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -150,14 +151,15 @@ def benchmark(device_name: str = "cuda") -> list[str]:
             value = value_cache[block_tables.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
             key, value = key.contiguous(), value.contiguous()
 
-            def sdpa():
+            def sdpa(key=key, value=value):
                 return F.scaled_dot_product_attention(query[:, :, None], key, value, scale=scale, enable_gqa=True)
 
             # the cache also in float8 e4m3 (scales 1.0: randn fits its range)
             key_fp8, value_fp8 = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
             kv_scales = torch.ones(2, dtype=torch.float32, device=device)
 
-            def kernel(split_k=None, fp8=False):
+            def kernel(split_k=None, fp8=False, key_cache=key_cache, value_cache=value_cache, key_fp8=key_fp8,
+                       value_fp8=value_fp8):
                 if fp8:
                     return paged_decode(query, key_fp8, value_fp8, block_tables, context_lens, scale, split_k=split_k,
                                         kv_scales=kv_scales)
@@ -274,9 +276,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         print("gpu_check: triton is not installed (pip install triton)", file=sys.stderr)
         return 2
     start = time.perf_counter()

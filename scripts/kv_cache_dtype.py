@@ -22,16 +22,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from pagedlab import LLM  # noqa: E402
-from pagedlab.bench.agreement import Agreement, chat_prompts, pagedlab_greedy  # noqa: E402
-from pagedlab.bench.capacity import paged_concurrency  # noqa: E402
-from pagedlab.bench.kv_accuracy import compare, english_text, teacher_forced  # noqa: E402
-from pagedlab.bench.workloads import chat  # noqa: E402
-from pagedlab.core.block_table import cdiv  # noqa: E402
-from pagedlab.models import load_model  # noqa: E402
-from pagedlab.worker.kv_cache import GiB, KVCacheSpec  # noqa: E402
+from pagedlab import LLM
+from pagedlab.bench.agreement import Agreement, chat_prompts, pagedlab_greedy
+from pagedlab.bench.capacity import paged_concurrency
+from pagedlab.bench.kv_accuracy import compare, english_text, teacher_forced
+from pagedlab.bench.workloads import chat
+from pagedlab.core.block_table import cdiv
+from pagedlab.models import load_model
+from pagedlab.worker.kv_cache import GiB, KVCacheSpec
 
 CAPACITY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -69,8 +69,8 @@ def main() -> None:
     reference = LLM(model, tokenizer, **config)
     reference_tokens = pagedlab_greedy(reference, prompts, args.max_tokens)
     reference_logprobs = list(teacher_forced(reference, text_ids))  # [256, vocab] float32 per chunk
-    print(f"| KV cache | scales | perplexity | mean KL (nats) | max KL | argmax agrees | greedy: identical | "
-          f"greedy: tokens before divergence |")
+    print("| KV cache | scales | perplexity | mean KL (nats) | max KL | argmax agrees | greedy: identical | "
+          "greedy: tokens before divergence |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name, calculate in CANDIDATES:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from pagedlab import LLM, SamplingParams  # noqa: E402
-from pagedlab.bench.agreement import chat_prompts  # noqa: E402
-from pagedlab.models import load_model  # noqa: E402
+from pagedlab import LLM, SamplingParams
+from pagedlab.bench.agreement import chat_prompts
+from pagedlab.models import load_model
 
 CONFIGS = {  # name -> LLM options
     "float32 cache, C++ kernel": dict(kv_cache_dtype="auto"),

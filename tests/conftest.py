@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU; set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-from transformers import (  # noqa: E402
+import pytest
+from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,

@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from pagedlab.bench import COMPARATORS, WORKLOADS, run_benchmark
-from pagedlab.bench import metrics, suites, systems, workloads
+from pagedlab.bench import COMPARATORS, WORKLOADS, metrics, run_benchmark, suites, systems, workloads
 from pagedlab.bench.report import Table
 from tests.conftest import tiny_model
 

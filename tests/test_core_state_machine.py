@@ -12,7 +12,6 @@ Settings are derandomized and database-free, so CI is reproducible.
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st

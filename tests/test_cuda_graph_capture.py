@@ -31,7 +31,7 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("traces the kernels' launches in Triton's interpreter (on a GPU: scripts/gpu_check.py)",
                 allow_module_level=True)
 
-from pagedlab.worker.cuda_graph import EagerGraph  # noqa: E402
+from pagedlab.worker.cuda_graph import EagerGraph
 
 # aten ops that read device data on the host, or copy host data to the device: not allowed while capturing
 HOST_OPS = {

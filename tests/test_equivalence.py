@@ -6,7 +6,8 @@ import pytest
 
 from pagedlab import LLMEngine
 from pagedlab.config import EngineConfig
-from tests.conftest import hf_greedy, random_prompts, run_engine as run, tiny_model
+from tests.conftest import hf_greedy, random_prompts, tiny_model
+from tests.conftest import run_engine as run
 
 BLOCK_SIZES = [1, 2, 16, 32]
 MODES = ["all-at-once", "one-at-a-time", "staggered"]
@@ -106,7 +107,8 @@ def test_bfloat16_agrees_with_hf_up_to_near_ties(family):
     import torch
 
     from pagedlab import LLM
-    from pagedlab.bench.agreement import Agreement, divergence_margins, hf_greedy as hf, pagedlab_greedy
+    from pagedlab.bench.agreement import Agreement, divergence_margins, pagedlab_greedy
+    from pagedlab.bench.agreement import hf_greedy as hf
 
     model = tiny_model(family).to(torch.bfloat16)
     prompts = random_prompts([5, 17, 1, 33, 9, 24, 12, 40])

@@ -14,17 +14,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedlab.kernels.paged_decode import paged_decode  # noqa: E402
-from pagedlab.kernels.paged_prefill import paged_prefill  # noqa: E402
-from pagedlab.kernels.store_kv import store_kv  # noqa: E402
-from pagedlab.worker.attention import (  # noqa: E402
+from pagedlab.kernels.paged_decode import paged_decode
+from pagedlab.kernels.paged_prefill import paged_prefill
+from pagedlab.kernels.store_kv import store_kv
+from pagedlab.worker.attention import (
     AttentionMetadata,
     PrefillChunk,
     decode_attention,
     prefill_attention,
     write_to_cache,
 )
-from tests.conftest import random_prompts, tiny_model  # noqa: E402
+from tests.conftest import random_prompts, tiny_model
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 

@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 

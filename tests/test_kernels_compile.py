@@ -22,10 +22,10 @@ import torch
 
 pytest.importorskip("triton")
 
-import triton.language as tl  # noqa: E402
+import triton.language as tl
 
-from pagedlab.kernels.aot import TARGETS, CompileReport, compile_for_target, pointer, problems  # noqa: E402
-from pagedlab.kernels.aot_grid import KERNELS, compile_grid, grid_cases, markdown_table  # noqa: E402
+from pagedlab.kernels.aot import TARGETS, CompileReport, compile_for_target, pointer, problems
+from pagedlab.kernels.aot_grid import KERNELS, compile_grid, grid_cases, markdown_table
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION"),  # Triton 3.9's note on its default

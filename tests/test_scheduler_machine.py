@@ -45,7 +45,7 @@ def machine_settings(max_examples: int, steps: int = 50) -> settings:
 
 
 @st.composite
-def setups(draw, swap: bool, chunked=st.booleans()):
+def setups(draw, swap: bool, chunked=st.booleans()):  # noqa: B008 - a hypothesis strategy, not a value
     """A tight KV pool: max_model_len is at least half the pool, so two long requests already run it dry."""
     block_size = draw(st.sampled_from((1, 2, 4, 16)), "block_size")
     num_blocks = draw(st.integers(cdiv(4, block_size), max(2, 48 // block_size)), "num_blocks")
@@ -227,7 +227,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         # The block moves, in the worker's order, on the shadow KV.
         new_blocks = {b for _, blocks in out.allocated for b in blocks}
-        for _, source, copy in out.copies:
+        for _, source, _copy in out.copies:
             event("copy-on-write")
             assert source not in new_blocks, f"copy source {source} was handed out in the same step"
         self._move(self.device_kv, self.cpu_kv, out.swapped_out)

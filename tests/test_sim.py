@@ -12,10 +12,19 @@ import sys
 import pytest
 
 from pagedlab.config import EngineConfig
-from pagedlab.sampling_params import BeamSearchParams
 from pagedlab.core.sched_output import ScheduledRequest
-from pagedlab.sim import Lengths, SimEngine, SimRequest, StepCostModel, load_calibration, make_workload, simulate
-from pagedlab.sim import calibrate, metrics
+from pagedlab.sampling_params import BeamSearchParams
+from pagedlab.sim import (
+    Lengths,
+    SimEngine,
+    SimRequest,
+    StepCostModel,
+    calibrate,
+    load_calibration,
+    make_workload,
+    metrics,
+    simulate,
+)
 from pagedlab.sim.contiguous import simulate_contiguous
 from pagedlab.sim.cost_model import Calibration, step_features
 from pagedlab.sim.experiment import Settings, run

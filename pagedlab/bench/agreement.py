@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Questions a small chat model answers with varied text: the prompts of the agreement measurements.
 QUESTIONS = (
     "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",

@@ -30,10 +30,10 @@ def paged_concurrency(
     max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
 ) -> Concurrency:
     """Run (prompt_len, output_len) requests through the real scheduler on num_slots // block_size blocks."""
+    from pagedlab.config import EngineConfig
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
     from pagedlab.core.sched_output import ModelRunnerOutput
-    from pagedlab.config import EngineConfig
     from pagedlab.core.scheduler import Scheduler
     from pagedlab.sampling_params import SamplingParams
 

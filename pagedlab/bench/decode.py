@@ -188,8 +188,9 @@ def measure(model, dtypes, batches, contexts, block_size: int, repeats: int, max
                         continue
                     step = DecodeStep.build(m, batch, context, block_size)
                     result = DecodeResult(str(dtype).removeprefix("torch."), batch, context, step.kv_read_bytes)
-                    runs = {"step": lambda: step.run(clock=tick), "no attention": lambda: step.run(NO_ATTENTION, tick),
-                            "torch path": lambda: _without_kernel(step, tick)}
+                    runs = {"step": lambda step=step: step.run(clock=tick),
+                            "no attention": lambda step=step: step.run(NO_ATTENTION, tick),
+                            "torch path": lambda step=step: _without_kernel(step, tick)}
                     for variant in variants:  # warm-up: first calls allocate and build
                         runs[variant]()
                     for _ in range(repeats):

@@ -30,10 +30,10 @@ class OverheadResult:
 def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 128, output_len=(32, 256),
                         block_size: int = 16, seed: int = 0) -> float:
     """Median seconds per step of schedule() + update_from_output() over `num_steps` decode steps."""
+    from pagedlab.config import EngineConfig
     from pagedlab.core.kv_cache_manager import KVCacheManager
     from pagedlab.core.request import Request
     from pagedlab.core.sched_output import ModelRunnerOutput
-    from pagedlab.config import EngineConfig
     from pagedlab.core.scheduler import Scheduler
     from pagedlab.sampling_params import SamplingParams
 

@@ -23,12 +23,15 @@ import random
 from collections.abc import Mapping, Sequence
 
 from pagedlab.config import EngineConfig
-from pagedlab.core.kv_cache_manager import KVCacheManager
+from pagedlab.core.kv_cache_manager import Allocation, KVCacheManager
 from pagedlab.core.preemption import PreemptionCostModel, PreemptionMode, preempt_group, preempt_tail
 from pagedlab.core.request import Request, RequestStatus
-from pagedlab.core.kv_cache_manager import Allocation
 from pagedlab.core.sched_output import (
-    BeamDecision, ModelRunnerOutput, SchedulerOutput, SequenceUpdate, UpdateOutput,
+    BeamDecision,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SequenceUpdate,
+    UpdateOutput,
 )
 from pagedlab.core.scheduler_state import RUNNING, SchedulerState, runs_by_group
 from pagedlab.core.scheduler_step import StepBuilder

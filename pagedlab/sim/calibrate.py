@@ -23,6 +23,7 @@ from pagedlab.sim.cost_model import StepCostModel, step_features
 from pagedlab.sim.simulator import drive_requests
 from pagedlab.sim.workload import Lengths, SimRequest, make_workload
 
+
 @dataclass(frozen=True)
 class StepTimes:
     """One workload's steps: their features (`FEATURES`), and each step's duration in every repeat."""

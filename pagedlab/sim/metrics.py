@@ -147,8 +147,8 @@ def time_average(trace, values) -> float:
 
 def num_preemptions(trace) -> dict[str, int]:
     """Preemptions by kind (a contiguous trace has none: a reservation covers all a sequence will need)."""
-    stats = getattr(trace, "stats", {})
-    return {kind: stats.get(f"num_preemptions_{kind}", 0) for kind in ("recompute", "swap", "partial")}
+    stats = getattr(trace, "stats", None)
+    return {kind: getattr(stats, f"num_preemptions_{kind}", 0) for kind in ("recompute", "swap", "partial")}
 
 
 def waiting_and_running(trace) -> tuple[list[int], list[int]]:

@@ -27,8 +27,8 @@ from multiprocessing.connection import wait
 import torch
 
 from pagedlab.config import EngineConfig
-from pagedlab.core.preemption import PreemptionMode
 from pagedlab.core.executor import WorkerInfo
+from pagedlab.core.preemption import PreemptionMode
 from pagedlab.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlab.models import check_supported, load_tokenizer, model_path, resolve_device, resolve_dtype
 from pagedlab.worker.tensor_parallel import check_tensor_parallel_size

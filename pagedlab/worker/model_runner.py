@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import Sequence
+
 import torch
 
 from pagedlab.core.block_table import cdiv

@@ -149,7 +149,7 @@ def worker_main(rank: int, size: int, model_path, dtype, device, config, store_a
         mesh = init_distributed(rank, size, device, store, config.distributed_timeout)
         ranked = RankWorker(model_path, dtype, device, config, mesh)
         conn.send_bytes(pickle.dumps(("ok", ranked.info())))
-    except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
+    except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
     while True:
@@ -162,7 +162,7 @@ def worker_main(rank: int, size: int, model_path, dtype, device, config, store_a
         try:
             result = getattr(ranked, method)(*args)
             reply = ("ok", None if method == "execute_model" and rank != 0 else result)
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             reply = ("error", traceback.format_exc())
         try:
             conn.send_bytes(pickle.dumps(reply))

@@ -106,7 +106,7 @@ class Worker:
         state = sampler.get_state()
         try:
             return runner.execute(output.scheduled)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if len({s.group_id for s in output.scheduled}) == 1:
                 return ModelRunnerOutput(errors={output.scheduled[0].group_id: _message(exc)})
         sampler.set_state(state)  # undo the draws of the failed batch: each request draws once
@@ -116,7 +116,7 @@ class Worker:
                 continue  # failed already, with a sibling
             try:
                 one = runner.execute([scheduled])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 errors[scheduled.group_id] = _message(exc)
                 continue
             merged.sampled_token_ids.update(one.sampled_token_ids)

@@ -48,7 +48,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(400, "this model's tokenizer has no chat template: use /v1/completions")
         try:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        except Exception as error:  # noqa: BLE001 - a template that refuses the conversation (e.g. its roles)
+        except Exception as error:
             raise OpenAIError(400, f"the chat template refused the messages: {error}", "messages") from error
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
@@ -62,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
                     token_ids[c.index] = token_ids.get(c.index, []) + c.token_ids
                     logprobs[c.index] = logprobs.get(c.index, []) + (c.logprobs or [])
                     finish[c.index] = c.finish_reason
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise engine_error(error) from error
         choices = [
             {"index": j, "message": {"role": "assistant", "content": texts[j]},
@@ -100,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
                                                    "finish_reason": c.finish_reason}]})
             if request.include_usage:
                 yield sse(head | {"choices": [], "usage": usage(len(stream.prompt_token_ids or ()), num_output)})
-        except Exception as error:  # noqa: BLE001 - the status line is sent: report in the stream
+        except Exception as error:
             yield sse(engine_error(error).body())
         finally:
             stream.close()

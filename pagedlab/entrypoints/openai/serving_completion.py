@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     token_ids[k] += c.token_ids
                     logprobs[k] += c.logprobs or []
                     finish[k] = c.finish_reason
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise engine_error(error) from error
         choices = []
         for k, text in enumerate(texts):
@@ -92,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.include_usage:
                 num_prompt = sum(len(s.prompt_token_ids or ()) for s in streams)
                 yield sse(head | {"choices": [], "usage": usage(num_prompt, num_output)})
-        except Exception as error:  # noqa: BLE001 - the status line is sent: report in the stream
+        except Exception as error:
             yield sse(engine_error(error).body())
         finally:
             close_all(streams)

@@ -158,7 +158,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
         try:
             async for output in stream:
                 await queue.put((i, output, None))
-        except Exception as error:  # noqa: BLE001 - handed to the reader
+        except Exception as error:
             await queue.put((i, None, error))
         await queue.put((i, None, None))
 
