@@ -150,3 +150,61 @@ def test_make_lab_starts_jupyterlab_on_the_chapters(tmp_path):
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
+
+
+# What a user gets from `pip install pagedlab`: the wheel, not the source tree (an editable install hides what the
+# wheel leaves out). Its code imports every module and runs one generate and one simulation from the wheel.
+WHEEL_CHECK = """
+import pathlib, pkgutil, sys, importlib
+import pagedlab
+assert "site-packages" in pagedlab.__file__, pagedlab.__file__  # the wheel, never the checkout
+names = [m.name for m in pkgutil.walk_packages(pagedlab.__path__, "pagedlab.") if m.name != "pagedlab.__main__"]
+for name in names:
+    importlib.import_module(name)
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from pagedlab import LLM, SamplingParams
+from pagedlab.sim import Lengths, make_workload, simulate
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)).eval()
+model.config.eos_token_id = model.generation_config.eos_token_id = None
+llm = LLM(model, num_kv_blocks=16, block_size=4)
+out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+trace = simulate(make_workload(4, prompt_len=Lengths("fixed", 8), output_len=Lengths("fixed", 4)), num_kv_blocks=32, block_size=4)
+print(len(names), len(out[0].outputs[0].token_ids), len(trace))
+"""
+
+
+@pytest.mark.slow
+def test_a_wheel_installed_in_a_fresh_venv_imports_everything_and_runs(tmp_path):
+    """Build the wheel (no build isolation: no network), install it into a new virtual environment that borrows
+    this one's dependencies (a .pth line, so that only pagedlab comes from the wheel), and run from there."""
+    import shutil
+    import subprocess
+    import sysconfig
+    import venv
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "pagedlab", "kernels"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif (ROOT / name).exists():
+            shutil.copy(ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", source],
+                   check=True, capture_output=True)
+    wheel = next((tmp_path / "dist").glob("pagedlab-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([*pip, "--python", python, "install", "--no-deps", "--no-index", wheel], check=True)
+    run = subprocess.run([python, "-c", WHEEL_CHECK], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    num_modules, num_tokens, num_steps = map(int, run.stdout.split())
+    assert num_modules > 50 and num_tokens == 4 and num_steps > 0
