@@ -158,7 +158,8 @@ WHEEL_CHECK = """
 import pathlib, pkgutil, sys, importlib
 import pagedlab
 assert "site-packages" in pagedlab.__file__, pagedlab.__file__  # the wheel, never the checkout
-names = [m.name for m in pkgutil.walk_packages(pagedlab.__path__, "pagedlab.") if m.name != "pagedlab.__main__"]
+names = [m.name for m in pkgutil.walk_packages(pagedlab.__path__, "pagedlab.")]
+names.remove("pagedlab.__main__")  # runs the command line
 for name in names:
     importlib.import_module(name)
 import torch
@@ -171,7 +172,8 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediat
 model.config.eos_token_id = model.generation_config.eos_token_id = None
 llm = LLM(model, num_kv_blocks=16, block_size=4)
 out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-trace = simulate(make_workload(4, prompt_len=Lengths("fixed", 8), output_len=Lengths("fixed", 4)), num_kv_blocks=32, block_size=4)
+workload = make_workload(4, prompt_len=Lengths("fixed", 8), output_len=Lengths("fixed", 4))
+trace = simulate(workload, num_kv_blocks=32, block_size=4)
 print(len(names), len(out[0].outputs[0].token_ids), len(trace))
 """
 
@@ -208,3 +210,13 @@ def test_a_wheel_installed_in_a_fresh_venv_imports_everything_and_runs(tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     num_modules, num_tokens, num_steps = map(int, run.stdout.split())
     assert num_modules > 50 and num_tokens == 4 and num_steps > 0
+
+
+def test_no_chapter_stores_an_error_output():
+    """A stored traceback is a chapter that failed when it was last run (the run itself is checked elsewhere)."""
+    import json
+
+    for path in sorted((ROOT / "chapters").glob("*.ipynb")):
+        for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+            errors = [out for out in cell.get("outputs", []) if out["output_type"] == "error"]
+            assert not errors, f"{path.name} cell {index} stores {errors[0]['ename']}: {errors[0]['evalue']}"

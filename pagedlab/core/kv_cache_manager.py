@@ -132,9 +132,10 @@ class KVCacheManager:
 
     def cache_full_blocks(
         self, request_id: str, num_computed_tokens: int, token_ids: Callable[[int, int], list[int]],
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, known_hashes: Sequence[BlockHash] = (),
     ) -> None:
-        """Hash the sequence's blocks that `num_computed_tokens` has filled, so that later requests hit them."""
+        """Hash the sequence's blocks that `num_computed_tokens` has filled, so that later requests hit them.
+        `known_hashes`: its prompt's, computed on arrival (`hash_prompt`), are taken as they are."""
         if not self.enable_prefix_caching:
             return
         size = self.block_size
@@ -143,7 +144,7 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else root_hash(cache_salt)
         for i in range(len(hashes), num_computed_tokens // size):
             tokens = token_ids(i * size, (i + 1) * size)
-            parent = hash_block(parent, tokens)
+            parent = known_hashes[i] if i < len(known_hashes) else hash_block(parent, tokens)
             hashes.append(parent)
             block_id = table.block_ids[i]
             if self.pool.block_hash[block_id] is None:

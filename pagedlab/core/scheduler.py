@@ -98,7 +98,8 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
                 request.status = RUNNING
                 bisect.insort(self.running, request, key=Request.order.fget)
                 self.kv_cache_manager.cache_full_blocks(
-                    request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt
+                    request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt,
+                    request.prompt_block_hashes,
                 )
             self._schedule_group(group, step, may_preempt=False)
 
@@ -281,7 +282,8 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             self.kv_cache_manager.cache_full_blocks(
-                request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt
+                request.request_id, request.num_computed_tokens, request.token_ids, request.cache_salt,
+                request.prompt_block_hashes,
             )
             for target in scheduled.sampling:
                 sequence = self.requests[target.request_id]

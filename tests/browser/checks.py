@@ -1,6 +1,9 @@
 """What a notebook must show in JupyterLab after "Run All Cells", checked in the page.
 
 - every code cell ran, and none has an error output;
+- every cell marked `# NBVAL_CHECK_OUTPUT` printed what the notebook stores, after the substitutions of
+  chapters/sanitize.cfg (times, addresses, long floats, rates): nbval's lax check, so that `make test` runs each
+  chapter once, here, instead of once under nbval and once in the browser;
 - every widget output rendered (a widget that fails to render shows an error or nothing);
 - every figure (image/png output) is in the page and loaded;
 - every animation player (`.pagedlab-player`, the DOM contract of `pagedlab.viz.animate`) has its play
@@ -11,6 +14,8 @@
 
 from __future__ import annotations
 
+import configparser
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +24,7 @@ from .lab import JupyterLab, run_all_cells, wait_for
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+SANITIZE = Path(__file__).resolve().parents[2] / "chapters" / "sanitize.cfg"
 
 PLAY_BUTTON = ".widget-play button:has(.fa-play)"
 PAUSE_BUTTON = ".widget-play button:has(.fa-pause)"
@@ -54,6 +60,7 @@ def check_notebook(page, lab: JupyterLab, notebook: str, screenshot: Path | None
     try:
         state = run_all_cells(page, lab, notebook, timeout)
         _check_cells(state, problems)
+        _check_outputs(state, lab.root_dir / notebook, problems)
         _check_widgets_rendered(page, state, problems)
         _check_figures(page, state, problems)
         _check_players(page, problems)
@@ -87,6 +94,64 @@ def _check_cells(state: dict, problems: Problems) -> None:
         unrun = [cell["index"] for cell in state["cells"] if cell["count"] is None]
         if unrun:
             problems.add(f"cells {unrun} did not run")
+
+
+def sanitize_patterns(path: Path = SANITIZE) -> list[tuple[str, str]]:
+    """The (regex, replacement) pairs of an nbval sanitize file, in order."""
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(path)
+    return [(parser[name]["regex"], parser[name]["replace"]) for name in parser.sections()]
+
+
+def output_texts(outputs, patterns) -> dict[str, list[str]]:
+    """A cell's outputs as nbval compares them: each text by stream name or MIME type, in order, streams of one
+    name joined, widgets left out, every text sanitized. `outputs` are nbformat dicts (stored) or the page's
+    (a `text` dict per output)."""
+    texts: dict[str, list[str]] = {}
+    for out in outputs:
+        if "text" in out and isinstance(out["text"], dict):  # read from the page
+            pieces = out["text"]
+        elif out.get("output_type") == "stream":
+            pieces = {out["name"]: out["text"]}
+        elif WIDGET_MIME in out.get("data", {}):
+            continue  # a widget (a progress bar, say): nbval skips it too
+        else:
+            pieces = {mime: value for mime, value in out.get("data", {}).items() if mime.startswith("text/")}
+        for key, value in pieces.items():
+            value = "".join(value) if isinstance(value, list) else value
+            if key in ("stdout", "stderr") and key in texts:
+                texts[key][-1] += value
+            else:
+                texts.setdefault(key, []).append(value)
+    for values in texts.values():
+        for regex, replace in patterns:
+            values[:] = [re.sub(regex, replace, value) for value in values]
+    return texts
+
+
+def _check_outputs(state: dict, stored_path: Path, problems: Problems) -> None:
+    if not stored_path.exists():
+        return
+    stored = json.loads(stored_path.read_text())["cells"]
+    patterns = sanitize_patterns()
+    for cell in state["cells"]:
+        if not cell["checked"] or any(out["type"] == "error" for out in cell["outputs"]):
+            continue  # an error is reported by _check_cells
+        want = output_texts(stored[cell["index"]].get("outputs", []), patterns)
+        got = output_texts(cell["outputs"], patterns)
+        if want != got:
+            problems.add(f"cell {cell['index']} (NBVAL_CHECK_OUTPUT) printed {_first_difference(want, got)}")
+
+
+def _first_difference(want: dict, got: dict) -> str:
+    for key in sorted(set(want) | set(got)):
+        w, g = "".join(want.get(key, [])), "".join(got.get(key, []))
+        if w != g:
+            w_lines, g_lines = w.splitlines() + [""], g.splitlines() + [""]
+            at = next(i for i, (a, b) in enumerate(zip(w_lines, g_lines)) if a != b)
+            return (f"other {key} than stored, from line {at + 1}: {g_lines[at][:160]!r} "
+                    f"instead of {w_lines[at][:160]!r}")
+    return "other outputs than stored"
 
 
 def _count_outputs(state: dict, mime: str, unless: str | None = None) -> int:
@@ -177,36 +242,38 @@ def _check_playgrounds(page, problems: Problems) -> None:
     plots to change (a run simulates and redraws in the kernel: seconds on a busy machine)."""
     panels = page.locator(".pagedlab-playground")
     for i in range(panels.count()):
-        name = f"playground {i + 1} of {panels.count()}"
-        panel = panels.nth(i)
-        panel.scroll_into_view_if_needed()
-        parts = [("KV budget slider", PLAYGROUND_SLIDER), ("plots", PLAYGROUND_PLOTS),
-                 ("run button", "button.pagedlab-run")]
-        missing = [part for part, selector in parts if not panel.locator(selector).count()]
-        if missing:
-            problems.add(f"{name} rendered without its {', '.join(missing)}")
-            continue
-        plots = panel.locator(PLAYGROUND_PLOTS).first
-        if not image_loaded(page, plots):
-            problems.add(f"{name}: the plots never loaded")
-            continue
-        before = plots.screenshot()
-        handle = panel.locator(PLAYGROUND_SLIDER).first
-        value = handle.get_attribute("aria-valuenow")
-        handle.focus()
-        page.keyboard.press("ArrowLeft")
-        if not wait_for(page, lambda: handle.get_attribute("aria-valuenow") != value, timeout=5):
-            problems.add(f"{name}: the KV budget slider did not move (stuck at {value})")
-            continue
-        status = panel.locator(".pagedlab-playground-status").first
-        said = status.inner_text()
-        panel.locator("button.pagedlab-run").first.click()
-        # A run first says "running…", then "run N: ..." (or an error) once it has drawn: seconds on a busy machine.
-        if not wait_for(page, lambda: status.inner_text() != said or plots.screenshot() != before, timeout=15):
-            problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
-                         "(nothing happened within 15 s)")
-            continue
-        wait_for(page, lambda: "running" not in status.inner_text(), timeout=120, interval=1.0)
-        if not wait_for(page, lambda: plots.screenshot() != before, timeout=5, interval=0.5):
-            problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
-                         f"(status: {status.inner_text()[:300]!r})")
+        _check_playground(page, panels.nth(i), f"playground {i + 1} of {panels.count()}", problems)
+
+
+def _check_playground(page, panel, name: str, problems: Problems) -> None:
+    panel.scroll_into_view_if_needed()
+    parts = [("KV budget slider", PLAYGROUND_SLIDER), ("plots", PLAYGROUND_PLOTS),
+             ("run button", "button.pagedlab-run")]
+    missing = [part for part, selector in parts if not panel.locator(selector).count()]
+    if missing:
+        problems.add(f"{name} rendered without its {', '.join(missing)}")
+        return
+    plots = panel.locator(PLAYGROUND_PLOTS).first
+    if not image_loaded(page, plots):
+        problems.add(f"{name}: the plots never loaded")
+        return
+    before = plots.screenshot()
+    handle = panel.locator(PLAYGROUND_SLIDER).first
+    value = handle.get_attribute("aria-valuenow")
+    handle.focus()
+    page.keyboard.press("ArrowLeft")
+    if not wait_for(page, lambda: handle.get_attribute("aria-valuenow") != value, timeout=5):
+        problems.add(f"{name}: the KV budget slider did not move (stuck at {value})")
+        return
+    status = panel.locator(".pagedlab-playground-status").first
+    said = status.inner_text()
+    panel.locator("button.pagedlab-run").first.click()
+    # A run first says "running…", then "run N: ..." (or an error) once it has drawn: seconds on a busy machine.
+    if not wait_for(page, lambda: status.inner_text() != said or plots.screenshot() != before, timeout=15):
+        problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
+                     "(nothing happened within 15 s)")
+        return
+    wait_for(page, lambda: "running" not in status.inner_text(), timeout=120, interval=1.0)
+    if not wait_for(page, lambda: plots.screenshot() != before, timeout=5, interval=0.5):
+        problems.add(f"{name}: moving the KV budget slider and pressing run did not change the plots "
+                     f"(status: {status.inner_text()[:300]!r})")

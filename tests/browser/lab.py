@@ -176,7 +176,8 @@ def _pids_whose_command_line_contains(text: str) -> list[int]:
 
 
 # Read from the notebook model (window.jupyterapp), not from pixels: kernel status and, per code cell,
-# execution state and count, and each output's type, MIME types and error text.
+# execution state and count, and each output's type, MIME types and error text; for the cells marked
+# `# NBVAL_CHECK_OUTPUT`, each output's text too (streams by name, text/* data by MIME type).
 _NOTEBOOK_STATE_JS = """() => {
   const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   if (!panel || !panel.sessionContext || !panel.content || !panel.content.model) return null;
@@ -187,13 +188,22 @@ _NOTEBOOK_STATE_JS = """() => {
     const cell = model.cells.get(i);
     if (cell.type !== 'code') continue;
     const outputs = [];
+    const source = cell.sharedModel.getSource();
+    const checked = source.includes('NBVAL_CHECK_OUTPUT');  // its text is compared with the stored outputs
     for (let j = 0; j < cell.outputs.length; j++) {
       const out = cell.outputs.get(j).toJSON();
+      const text = {};
+      if (checked && !(out.data && out.data['application/vnd.jupyter.widget-view+json'])) {  // not progress bars
+        if (out.output_type === 'stream') text[out.name] = out.text;
+        for (const [mime, value] of Object.entries(out.data || {})) {
+          if (mime.startsWith('text/')) text[mime] = Array.isArray(value) ? value.join('') : value;
+        }
+      }
       outputs.push({type: out.output_type, mimes: Object.keys(out.data || {}), ename: out.ename || null,
-                    evalue: out.evalue || null, traceback: (out.traceback || []).join('\\n')});
+                    evalue: out.evalue || null, traceback: (out.traceback || []).join('\\n'), text});
     }
-    cells.push({index: i, count: cell.executionCount, state: cell.executionState, outputs,
-                empty: cell.sharedModel.getSource().trim() === ''});
+    cells.push({index: i, count: cell.executionCount, state: cell.executionState, outputs, checked,
+                empty: source.trim() === ''});
   }
   return {kernel: kernel ? kernel.status : null, cells};
 }"""

@@ -71,3 +71,25 @@ def test_the_playground_check_passes_a_working_panel_and_fails_a_broken_one(brea
         assert not problems, str(problems)
     else:
         assert "pressing run did not change the plots" in str(problems), str(problems)
+
+
+# nbval's check, done here so that each chapter runs once: a checked cell must print what the notebook stores
+# (times and the like sanitized); an unchecked cell may print anything.
+
+
+@pytest.mark.parametrize("stored, passes", [("42 in 1.5 s\n", True), ("41 in 1.5 s\n", False)])
+def test_a_checked_cell_must_print_its_stored_output(stored, passes, lab, lab_root, page):
+    checked = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(6 * 7, 'in 0.3 s')")
+    checked.outputs = [nbformat.v4.new_output("stream", name="stdout", text=stored)]
+    unchecked = nbformat.v4.new_code_cell("print('anything')")
+    unchecked.outputs = [nbformat.v4.new_output("stream", name="stdout", text="something else\n")]
+    name = f"checked_output_{passes}.ipynb"
+    notebook = nbformat.v4.new_notebook(cells=[checked, unchecked])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, lab_root / "fake" / name)
+    problems = check_notebook(page, lab, f"fake/{name}", None, RUN_TIMEOUT)
+    if passes:
+        assert not problems, str(problems)
+    else:
+        assert "cell 0 (NBVAL_CHECK_OUTPUT) printed other stdout than stored" in str(problems), str(problems)
+        assert "'42 in TIME" in str(problems), str(problems)

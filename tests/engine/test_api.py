@@ -1,0 +1,186 @@
+"""The vLLM-style API: LLM.generate / chat, SamplingParams, outputs, the step engine, stats and the trace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlab import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from pagedlab.config import EngineConfig
+from tests.helpers import random_prompts, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM(tiny_model(), block_size=4, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def smol_llm(smollm2):
+    model, tokenizer = smollm2
+    return LLM(model, tokenizer, block_size=16, num_kv_blocks=256)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_outputs_come_back_in_prompt_order(tiny_llm):
+    prompts = random_prompts([30, 2, 11])
+    outputs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], [
+        SamplingParams(temperature=0, max_tokens=n) for n in (2, 9, 5)], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert [len(t) for t in tokens(outputs)] == [2, 9, 5]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+
+
+def test_prompt_forms_agree(tiny_llm):
+    prompt = random_prompts([7])[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    a = tiny_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    b = tiny_llm.generate([prompt], params, use_tqdm=False)
+    c = tiny_llm.generate(prompt, params, use_tqdm=False)
+    assert tokens(a) == tokens(b) == tokens(c)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm):
+    prompt = {"prompt_token_ids": random_prompts([6])[0]}
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    alone = tokens(tiny_llm.generate(prompt, params, use_tqdm=False))
+    others = [{"prompt_token_ids": p} for p in random_prompts([3, 20, 9], seed=7)]
+    batch = tiny_llm.generate(others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0, max_tokens=20)] * 2
+                              + [params] + [SamplingParams(temperature=0.7, max_tokens=5)], use_tqdm=False)
+    assert tokens(batch)[2] == alone[0]
+    other_seed = tokens(
+        tiny_llm.generate(prompt, SamplingParams(temperature=1.0, seed=99, max_tokens=12), use_tqdm=False)
+    )
+    assert other_seed != alone
+
+
+def test_top_k_1_is_greedy_and_min_tokens_holds_off_stops(tiny_llm):
+    prompt = {"prompt_token_ids": random_prompts([5])[0]}
+    greedy = tokens(tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False))[0]
+    top1_params = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=8)
+    top1 = tokens(tiny_llm.generate(prompt, top1_params, use_tqdm=False))[0]
+    assert top1 == greedy
+    # stop on the greedy run's first token, unless min_tokens says otherwise
+    stop_params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[greedy[0]])
+    stopped = tiny_llm.generate(prompt, stop_params, use_tqdm=False)
+    assert stopped[0].outputs[0].token_ids == greedy[:1]
+    assert stopped[0].outputs[0].finish_reason == "stop" and stopped[0].outputs[0].stop_reason == greedy[0]
+    held = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=3,
+                                                    stop_token_ids=[greedy[0]]), use_tqdm=False)
+    assert len(held[0].outputs[0].token_ids) >= 3 and greedy[0] not in held[0].outputs[0].token_ids[:3]
+
+
+def test_sampler_filters_against_a_direct_computation():
+    """top-k / top-p / min-p keep exactly the tokens their definitions keep."""
+    from pagedlab.worker.sampler import filtered_probs
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = torch.softmax(logits, -1)[0]
+    kept = lambda probs: (probs[0] > 0).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(filtered_probs(logits, [SamplingParams(top_k=2)])) == [0, 1]
+    # top_p=0.7: p0=0.64 < 0.7 so token 1 is needed too
+    assert kept(filtered_probs(logits, [SamplingParams(top_p=0.7)])) == [0, 1]
+    assert kept(filtered_probs(logits, [SamplingParams(top_p=0.5)])) == [0]
+    threshold = 0.2 * p[0]
+    assert kept(filtered_probs(logits, [SamplingParams(min_p=0.2)])) == [i for i in range(5) if p[i] >= threshold]
+    assert torch.allclose(filtered_probs(logits, [SamplingParams()])[0], p)
+
+
+def test_logprobs(tiny_llm):
+    prompt = {"prompt_token_ids": random_prompts([5])[0]}
+    out = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 3
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry and len(entry) == 2  # greedy: the chosen token is also the most likely
+        assert max(entry.values()) == entry[token] <= 0.0
+
+
+def test_step_engine_streams_and_aborts():
+    engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=64))
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5))
+    engine.add_request("b", {"prompt_token_ids": [4, 5]}, SamplingParams(
+        temperature=0, max_tokens=5, output_kind=RequestOutputKind.DELTA))
+    engine.add_request("c", {"prompt_token_ids": [6]}, SamplingParams(temperature=0, max_tokens=50))
+    seen = {"a": [], "b": []}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id in seen:
+                seen[out.request_id].append(list(out.outputs[0].token_ids))
+        steps += 1
+        if steps == 3:
+            engine.abort_request("c")
+            assert engine.get_num_unfinished_requests() == 2
+    assert [len(t) for t in seen["a"]] == [1, 2, 3, 4, 5]  # cumulative
+    assert [len(t) for t in seen["b"]] == [1, 1, 1, 1, 1]  # deltas
+    stats = engine.stats()
+    assert stats.num_used_blocks == 0 and stats.num_finished == 3 and stats.num_running == 0
+    assert stats.num_generated_tokens == 5 + 5 + 3
+
+
+def test_trace_records_every_step():
+    engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=64))
+    engine.add_request("a", {"prompt_token_ids": list(range(1, 10))}, SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace = engine.trace
+    assert len(trace) == 3 and trace.num_blocks == 64 and trace.block_size == 4
+    first, last = trace[0], trace[-1]
+    assert first.scheduled[0].num_new_tokens == 9 and first.allocated == (("a", (0, 1, 2)),)
+    assert first.block_tables[0].block_ids == (0, 1, 2) and first.block_tables[0].num_tokens == 9
+    assert trace[1].allocated == () and trace[1].block_tables[0].num_tokens == 10
+    assert last.finished == (("a", "length"),) and set(last.freed) == {0, 1, 2} and last.block_tables == ()
+    assert [rid for step in trace for rid, _ in step.appended] == ["a"] * 3
+
+
+def test_stats_and_kv_budget():
+    engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=16, kv_cache_memory=1 << 20))
+    # tiny model: 2 layers x 2 kv heads x 16 head dim x 4 bytes x 2 (K and V) = 512 bytes/token
+    assert engine.kv_cache_manager.num_blocks == (1 << 20) // (512 * 16)
+    assert "KV blocks 0/128 used" in str(engine.stats())
+
+
+def test_chat_and_text(smol_llm):
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert out.outputs[0].text == "The capital of France is Paris."
+    assert out.outputs[0].finish_reason == "stop"  # <|im_end|> is the model's EOS
+    assert out.prompt.startswith("<|im_start|>system")
+
+
+def test_stop_strings(smol_llm):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smol_llm.chat(question, SamplingParams(temperature=0, max_tokens=32, stop=["Paris"]), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.text == "The capital of France is "
+    assert completion.finish_reason == "stop" and completion.stop_reason == "Paris"
+    assert smol_llm.stats().num_used_blocks == 0
+
+
+def test_text_prompt_and_tqdm(smol_llm, capsys):
+    out = smol_llm.generate(["The capital of France is", "1, 2, 3,"], SamplingParams(temperature=0, max_tokens=4))
+    assert out[1].outputs[0].text.strip().startswith("4")
+    assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_load_from_a_local_folder(tmp_path):
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), block_size=8, num_kv_blocks=64)
+    prompt = random_prompts([6])[0]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    expected = tokens(LLM(model, block_size=8, num_kv_blocks=64).generate(prompt, params, use_tqdm=False))
+    assert tokens(llm.generate(prompt, params, use_tqdm=False)) == expected
+    assert llm.get_tokenizer() is None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(dtype):
+    llm = LLM(tiny_model().to(getattr(torch, dtype)), block_size=4, num_kv_blocks=64)  # the model as it is
+    assert llm.llm_engine.model_runner.kv_cache.dtype == getattr(torch, dtype)
+    out = llm.generate(random_prompts([5, 9]), SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [len(t) for t in tokens(out)] == [5, 5]

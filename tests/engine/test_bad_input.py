@@ -1,0 +1,184 @@
+"""Bad input gets a clear error naming the problem; the engine keeps serving and no block leaks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedlab import LLM, LLMEngine, SamplingParams
+from pagedlab.config import EngineConfig
+from tests.helpers import tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+@pytest.fixture
+def engine():
+    return LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=48,
+                                                      max_num_batched_tokens=32))
+
+
+def assert_still_serves(engine: LLMEngine) -> None:
+    """A request submitted after the error completes, and every block is free again."""
+    engine.add_request("after", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+        engine.check_invariants()
+    assert [o.request_id for o in outputs] == ["after"] and len(outputs[0].outputs[0].token_ids) == 4
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt_token_ids": []}, "prompt is empty"),
+        ([], "prompt is empty"),
+        ({"prompt_token_ids": [1, 128, 5]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [1] * 48}, "exceeds max_model_len=48"),
+        ({"prompt_token_ids": [1] * 40}, "more than max_num_batched_tokens=32"),
+        ("text without a tokenizer", "no tokenizer"),
+        ({"text": "x"}, "needs 'prompt' or 'prompt_token_ids'"),
+    ],
+)
+def test_bad_prompt_is_rejected_and_engine_goes_on(engine, prompt, message):
+    engine.add_request("running", {"prompt_token_ids": [4, 5, 6]}, GREEDY)
+    engine.step()  # something is in flight when the bad request arrives
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, GREEDY)
+    assert "bad" not in engine.scheduler.requests
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_still_serves(engine)
+
+
+def test_prompt_of_wrong_type(engine):
+    with pytest.raises(TypeError, match="a prompt is a string, a list of token ids or a dict"):
+        engine.add_request("bad", 3.5, GREEDY)
+    assert_still_serves(engine)
+
+
+def test_request_that_can_never_fit_is_rejected_at_once():
+    """4 blocks of 4 tokens: a 20-token prompt could never be held, even alone."""
+    engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=4))
+    assert engine.max_model_len == 16  # capped by the KV capacity
+    with pytest.raises(ValueError, match="exceeds max_model_len=16"):
+        engine.add_request("huge", {"prompt_token_ids": [1] * 20}, GREEDY)
+    assert_still_serves(engine)
+
+
+def test_max_model_len_beyond_the_kv_cache_is_rejected_at_start():
+    with pytest.raises(ValueError, match="max_model_len=64 can never fit: the KV cache holds 4 blocks"):
+        LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=4, max_model_len=64))
+    with pytest.raises(ValueError, match="exceeds the model's limit of 512 positions"):
+        LLMEngine(tiny_model(), None, EngineConfig(max_model_len=4096))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(seed="x"), "seed"),
+        (dict(n=0), "n"),
+        (dict(n=2, temperature=0), "n"),
+    ],
+)
+def test_invalid_sampling_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(block_size=3), "block_size"),
+        (dict(block_size=512), "block_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(kv_cache_memory=0), "kv_cache_memory"),
+    ],
+)
+def test_invalid_engine_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("a", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="request id 'a' is already in the engine"):
+        engine.add_request("a", [3, 4], GREEDY)
+    engine.abort_request("a")
+    assert_still_serves(engine)
+
+
+def test_abort_unknown_id_is_a_logged_no_op(engine, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedlab"):
+        engine.abort_request("never-added")
+    assert "no unfinished request has id 'never-added'" in caplog.text
+    assert_still_serves(engine)
+
+
+@pytest.mark.parametrize("when", ["waiting", "running", "after-finish"])
+def test_abort_frees_blocks_at_once(engine, when):
+    engine.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=20))
+    if when != "waiting":
+        engine.step()
+        assert engine.kv_cache_manager.block_tables["a"].block_ids
+    if when == "after-finish":
+        engine.abort_request("a")
+    engine.abort_request("a")
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    assert not engine.has_unfinished_requests()
+    engine.check_invariants()
+    assert_still_serves(engine)
+
+
+def test_generate_with_one_bad_prompt_leaves_nothing_behind():
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[1, 2, 3], [], [4, 5]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert llm.stats().num_used_blocks == 0
+
+
+def test_sampling_params_count_must_match_prompts():
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
+        llm.generate([[1], [2]], [GREEDY] * 3, use_tqdm=False)
+
+
+def test_unsupported_model_is_refused_at_load():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="cannot run model type 'gpt2'.*llama, mistral, qwen2, qwen3"):
+        LLM(model)
+
+
+def test_encoder_model_is_refused_at_load():
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="cannot run model type 'bert'"):
+        LLM(model)
+
+
+@pytest.mark.parametrize("dtype, device", [("float64", "cpu"), ("auto", "tpu")])
+def test_bad_dtype_or_device(dtype, device):
+    with pytest.raises(ValueError, match="dtype must be one of|device must be 'cpu', 'cuda' or 'auto'"):
+        LLM(tiny_model(), dtype=dtype, device=device)
