@@ -11,10 +11,10 @@ runs on its torch backend; this file never imports triton. Files and versions (l
     paged_prefill.py  paged_prefill: v1 one program per (query tile, sequence, KV head), ragged chunks
     backend.py        triton_attention: the body of `paged_attention_forward`, on these kernels
     aot.py            compile_for_target: one kernel compiled for sm_80/89/90 without a GPU, and its resources
-    aot_grid.py       the variants the wrappers can pick, all compiled (tests/test_kernels_compile.py)
+    aot_grid.py       the variants the wrappers can pick, all compiled (tests/kernels/test_kernels_compile.py)
 
-Checked by tests/test_kernels.py (on a CPU in Triton's interpreter), tests/test_kernels_compile.py (compiled
-for real GPU targets, on a CPU) and scripts/gpu_check.py (GPU grid and decode benchmark; not run yet).
+Checked by tests/kernels/test_kernels.py (on a CPU in Triton's interpreter), tests/kernels/test_kernels_compile.py
+(compiled for real GPU targets, on a CPU) and scripts/gpu_check.py (GPU grid and decode benchmark; not run yet).
 
 # Explained in chapters/03_paged_attention.ipynb
 """

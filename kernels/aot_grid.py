@@ -10,7 +10,7 @@ cases of each kernel and target take every value of every axis at least once, al
 of each dtype (the most registers and shared memory), and are spread so that the three targets together see
 as many pairs of values as they can. A new variant is one more `KernelSpec`: the FP8 KV cache's (float8 K/V
 tiles dequantised into the query's dtype before the dots) are three, labelled "(fp8 KV)".
-tests/test_kernels_compile.py checks every result; scripts/kernel_table.py writes the README's table.
+tests/kernels/test_kernels_compile.py checks every result; scripts/kernel_table.py writes the README's table.
 
 # The kernels are explained in chapters/03_paged_attention.ipynb; compiling them ahead of time is in no chapter.
 """
@@ -242,7 +242,7 @@ def markdown_table(results: list[dict]) -> str:
 
     lines = [
         f"Compiled by triton {triton.__version__} on a CPU (`python scripts/kernel_table.py --write-readme`; "
-        "tests/test_kernels_compile.py",
+        "tests/kernels/test_kernels_compile.py",
         "checks it is current). Over the variants of each kernel: the most shared memory and registers per "
         "thread, the warps,",
         "the variants that spill registers, and the tensor-core instruction of the 16-bit `tl.dot`s.",

@@ -64,7 +64,8 @@ def load_kv_tile(
     """The keys and values at positions tile_start .. tile_start + BLOCK_N of one sequence and KV head, read slot
     by slot through its block table: returns (positions, valid, key, value), key and value [BLOCK_N, BLOCK_D].
     Positions outside [first_pos, end_pos) and dims past HEAD_DIM are not read (their K/V load as 0). A float8
-    cache (KV_FP8) is dequantised here, tile by tile: float32 values x k_scale / v_scale. Shared by the decode and prefill kernels (paged_prefill.py)."""
+    cache (KV_FP8) is dequantised here, tile by tile: float32 values x k_scale / v_scale. Shared by the decode and
+    prefill kernels (paged_prefill.py)."""
     positions = tile_start + tl.arange(0, BLOCK_N)
     valid = (positions >= first_pos) & (positions < end_pos)
     dims = tl.arange(0, BLOCK_D)
@@ -274,7 +275,7 @@ def decode_constants(
     """The constexprs (and warps) the wrapper picks for `paged_decode_kernel` (with split_k, the split kernel):
     the query head group padded to a power of two (BLOCK_G), the head dim padded to a power of two of at least
     16 (BLOCK_D: a GPU's `tl.dot` needs K >= 16), BLOCK_N keys per tile. Compiled for sm_80/89/90
-    (tests/test_kernels_compile.py, `pagedlab.kernels.aot_grid` calls this function) with 4 warps, float32
+    (tests/kernels/test_kernels_compile.py, `pagedlab.kernels.aot_grid` calls this function) with 4 warps, float32
     tiles whose key rows are 512 bytes (BLOCK_D 128) spilled registers in some variants, and 64 float32 keys
     of 256 dims needed 152 KB of shared memory, more than an L4's 99 KB: so 8 warps from 512 bytes a row, and
     32 keys above that. A float8 cache's tiles are dequantised into float32 beside the float8 ones loaded (5 bytes
@@ -326,7 +327,8 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, query: torch
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} KV heads")
     if key_cache.dtype in FP8_DTYPES and value_cache.dtype == key_cache.dtype:
-        if kv_scales is None or kv_scales.shape != (2,) or kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous():
+        if (kv_scales is None or kv_scales.shape != (2,) or kv_scales.dtype != torch.float32
+                or not kv_scales.is_contiguous()):
             raise ValueError("a float8 cache needs kv_scales: a contiguous [2] float32 tensor (K and V scale)")
         if kv_scales.device != query.device:
             raise ValueError(f"kv_scales must be on {query.device}, got {kv_scales.device}")

@@ -43,7 +43,7 @@ from .paged_decode import (
 def tile_sizes(dtype: torch.dtype, block_d: int, kv_fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M query rows, BLOCK_N keys, warps) per tile: smaller for float32, whose exact ("ieee") dot runs
     on FMA units, not tensor cores, and with 64 x 64 tiles needs 115 KB of shared memory (and 10 s to compile).
-    Compiled for sm_80/89/90 (tests/test_kernels_compile.py) with 4 warps, tiles whose head rows are 256
+    Compiled for sm_80/89/90 (tests/kernels/test_kernels_compile.py) with 4 warps, tiles whose head rows are 256
     bytes or more (16-bit BLOCK_D 128, float32 64) spilled registers in some variants, and float32 at head dim
     256 fits an L4's 99 KB of shared memory only with 16 keys per tile. A float8 cache's K/V rows count 5 bytes a
     value (`kv_tile_bytes`: the loaded byte and its float32 dequantisation), and its query tile is halved: with

@@ -156,7 +156,8 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--max-num-seqs", type=int, default=256)
     bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
     bench.add_argument("--block-size", type=int, default=16)
-    bench.add_argument("--scale", type=float, default=1.0, help="nano-vllm, calibrate: shrink lengths and request count")
+    bench.add_argument("--scale", type=float, default=1.0,
+                       help="nano-vllm, calibrate: shrink lengths and request count")
     bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
     bench.add_argument("--endpoint", default=None,
                        help="serving: measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) over HTTP; "

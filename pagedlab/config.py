@@ -90,10 +90,13 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))}, got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
-            raise ValueError("calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8', 'fp8_e4m3' or 'fp8_e5m2')")
+            raise ValueError(
+                "calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8', 'fp8_e4m3' or 'fp8_e5m2')"
+            )
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'auto', 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.swap_space < 0:

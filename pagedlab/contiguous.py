@@ -308,8 +308,8 @@ class ContiguousEngine:
             for request, start in running:  # the first step prefills the whole prompt; later ones decode 1 token
                 n, computed = request.num_tokens, request.num_computed_tokens
                 work.append(ScheduledRequest(
-                    request.request_id, computed, n - computed, request.request_id, tuple(request.token_ids(computed, n)),
-                    tuple(range(start, start + n)), (sampling_request(request),),
+                    request.request_id, computed, n - computed, request.request_id,
+                    tuple(request.token_ids(computed, n)), tuple(range(start, start + n)), (sampling_request(request),),
                 ))
             sampled = self.model_runner.execute(work).sampled_token_ids
             num_running.append(len(running))

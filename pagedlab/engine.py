@@ -71,7 +71,8 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    sampling_params: SamplingParams | None = None) -> str:
         """Queue a request. Bad input raises a ValueError (or TypeError) before anything changes. Returns its id."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):

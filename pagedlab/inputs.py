@@ -93,4 +93,6 @@ class InputProcessor:
             )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"SamplingParams stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"SamplingParams stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )

@@ -103,7 +103,8 @@ class LLM:
             raise ValueError("chat() needs a tokenizer with a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": _token_ids(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)),
+            {"prompt_token_ids": _token_ids(
+                tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)),
              "prompt": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)}
             for c in conversations
         ]
@@ -149,7 +150,8 @@ def _beam_sequence(output: RequestOutput, c, params: BeamSearchParams) -> BeamSe
     if c.finish_reason == "error":
         return BeamSearchSequence(list(output.prompt_token_ids), "", None, None, "error", c.error)
     score = c.cumulative_logprob / len(c.token_ids) ** params.length_penalty
-    return BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, score, c.finish_reason)
+    return BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, score,
+                              c.finish_reason)
 
 
 def _as_list(prompts) -> list:

@@ -252,10 +252,10 @@ def prefill_layouts(args) -> None:
     for context, n in ((0, 64), (0, 200), (0, 400), (400, 16), (400, 64), (200, 200)):
         q, k, v = torch.randn(9, n, 64), torch.randn(3, context + n, 64), torch.randn(3, context + n, 64)
         mask = torch.arange(context + n)[None, :] <= torch.arange(context, context + n)[:, None]
-        def three():
+        def three(q=q, k=k, v=v, mask=mask):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-        def four():
+        def four(q=q, k=k, v=v, mask=mask):
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
 
         torch.testing.assert_close(three(), four())

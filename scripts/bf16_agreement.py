@@ -6,7 +6,7 @@ In float32 the tokens are identical; in bfloat16 pagedlab's paged attention adds
 order than Hugging Face's SDPA over a contiguous cache, so where the top two logits are within a rounding error
 the argmax can flip. This prints how often, how late (tokens generated before the first divergence), and the
 logit margin of the two tokens at each divergence as the same weights score them in float32 (a near tie is a few
-hundredths of a logit). The README quotes its output; tests/test_equivalence.py asserts the same on tiny models.
+hundredths of a logit). The README quotes its output; tests/engine/test_equivalence.py asserts the same on tiny models.
 """
 
 from __future__ import annotations

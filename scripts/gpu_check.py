@@ -5,7 +5,7 @@
 This script has not run on a GPU yet. The tables below show its layout only: every <...> and "..." is a
 figure that comes from its first run, which prints the tables and writes them to --output.
 
-1. Runs `python -m pytest tests/test_kernels.py -q` with PAGEDLAB_FULL_KERNEL_GRID=1 on the GPU (every kernel
+1. Runs `python -m pytest tests/kernels/test_kernels.py -q` with PAGEDLAB_FULL_KERNEL_GRID=1 on the GPU (every kernel
    against its torch reference, before anything is timed). Stops with exit status 1 if a test fails.
 2. Times the decode kernel on a Llama-3-8B-shaped layer (32 query heads over 8 KV heads, head_dim 128,
    bfloat16, block size 16, every sequence's blocks scattered at random over the cache) for batch
@@ -14,14 +14,21 @@ figure that comes from its first run, which prints the tables and writes them to
    ([batch, kv_heads, context, head_dim], enable_gqa=True). Each call is captured in a CUDA graph and
    replayed by `triton.testing.do_bench`, which flushes the L2 cache before every replay: the times are the
    GPU's, without Python's launch overhead, reading K/V from HBM. Prints and writes this table, one row per
-   batch and context (12 rows):
+   batch and context (12 rows; shown here cut in two after "split-K us", the script prints each row whole):
 
     # gpu_check: <GPU name>, <SMs> SMs, torch <version>, triton <version>
     # decode: 32 query heads / 8 KV heads, head_dim 128, bfloat16, block_size 16
     # device-to-device copy: <GB/s> GB/s (bytes read + bytes written, 1 GiB copy)
-    | batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us | SDPA us | SDPA / kernel | fp8 us | bf16 / fp8 |
-    |------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|--------:|--------------:|-------:|-----------:|
-    |     1 |     512 | <path>  |       ... |  ... |     ... |   ... |        ... |     ... |           ... |    ... |        ... |
+    | batch | context | path    | kernel us | GB/s | of copy | v1 us | split-K us |
+    |------:|--------:|:--------|----------:|-----:|--------:|------:|-----------:|
+    |     1 |     512 | <path>  |       ... |  ... |     ... |   ... |        ... |
+    ...
+
+   and, on the same lines, the rest of each row:
+
+    | SDPA us | SDPA / kernel | fp8 us | bf16 / fp8 |
+    |--------:|--------------:|-------:|-----------:|
+    |     ... |           ... |    ... |        ... |
     ...
 
    batch, context: the decode batch and every sequence's context length; path: what `use_split_k` picked
@@ -49,7 +56,7 @@ figure that comes from its first run, which prints the tables and writes them to
 The tables also go to --output (default gpu_check.md in the working directory), and it prints how long it
 took: how long is not known before that first run. A first run spends part of it compiling the kernel
 variants of the grid (cached in ~/.triton/cache afterwards). Compiling alone was measured without a GPU:
-`tests/test_kernels_compile.py` compiles the kernels for sm_80, sm_89 and sm_90, and the README's kernel
+`tests/kernels/test_kernels_compile.py` compiles the kernels for sm_80, sm_89 and sm_90, and the README's kernel
 table (from `scripts/kernel_table.py`) gives their shared memory, registers and warps per target; the
 kernels' speed on a GPU is measured by nothing yet. Without CUDA it prints why and exits with status 2.
 """
@@ -151,15 +158,16 @@ def benchmark(device_name: str = "cuda") -> list[str]:
             value = value_cache[block_tables.long()].view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
             key, value = key.contiguous(), value.contiguous()
 
-            def sdpa(key=key, value=value):
+            def sdpa(query=query, key=key, value=value):
                 return F.scaled_dot_product_attention(query[:, :, None], key, value, scale=scale, enable_gqa=True)
 
             # the cache also in float8 e4m3 (scales 1.0: randn fits its range)
             key_fp8, value_fp8 = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
             kv_scales = torch.ones(2, dtype=torch.float32, device=device)
 
-            def kernel(split_k=None, fp8=False, key_cache=key_cache, value_cache=value_cache, key_fp8=key_fp8,
-                       value_fp8=value_fp8):
+            def kernel(split_k=None, fp8=False, query=query, key_cache=key_cache, value_cache=value_cache,
+                       key_fp8=key_fp8, value_fp8=value_fp8, block_tables=block_tables, context_lens=context_lens,
+                       kv_scales=kv_scales):
                 if fp8:
                     return paged_decode(query, key_fp8, value_fp8, block_tables, context_lens, scale, split_k=split_k,
                                         kv_scales=kv_scales)
@@ -272,7 +280,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(
             "gpu_check: no CUDA device (torch.cuda.is_available() is False), nothing to check here.\n"
-            "On a CPU, `python -m pytest tests/test_kernels.py` runs the kernels in Triton's interpreter.",
+            "On a CPU, `python -m pytest tests/kernels/test_kernels.py` runs the kernels in Triton's interpreter.",
             file=sys.stderr,
         )
         return 2

@@ -5,7 +5,7 @@ wrappers can pick, the warps, spills, and the 16-bit dots' tensor-core instructi
     python scripts/kernel_table.py [--write-readme] [--jobs N]
 
 --write-readme replaces the table between `<!-- kernel-table -->` and `<!-- /kernel-table -->` in README.md,
-which tests/test_kernels_compile.py compares with what the same grid compiles to (with the same Triton).
+which tests/kernels/test_kernels_compile.py compares with what the same grid compiles to (with the same Triton).
 About 2 minutes on 2 cores with an empty Triton cache; seconds once cached.
 """
 

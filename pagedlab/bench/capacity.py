@@ -57,7 +57,8 @@ def paged_concurrency(
         if steps > 100 * sum(p + o for p, o in lengths):
             raise RuntimeError("the paged simulation made no progress")
     peak = max(running, default=len(lengths))
-    return Concurrency(peak, sum(running) / len(running) if running else float(peak), steps, scheduler.stats.num_preemptions)
+    return Concurrency(peak, sum(running) / len(running) if running else float(peak), steps,
+                       scheduler.stats.num_preemptions)
 
 
 def contiguous_concurrency(

@@ -28,7 +28,9 @@ def teacher_forced(llm, token_ids: Sequence[int], chunk: int = 256) -> Iterator[
     block_size = runner.block_size
     num_blocks = cdiv(len(token_ids), block_size)
     if num_blocks + 1 > runner.kv_cache.shape[2]:
-        raise ValueError(f"{len(token_ids)} tokens need {num_blocks + 1} KV blocks; the engine has {runner.kv_cache.shape[2]}")
+        raise ValueError(
+            f"{len(token_ids)} tokens need {num_blocks + 1} KV blocks; the engine has {runner.kv_cache.shape[2]}"
+        )
     block_ids = tuple(range(1, 1 + num_blocks))
     runner.zero_blocks(list(block_ids))
     for start in range(0, len(token_ids), chunk):

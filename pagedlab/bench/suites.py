@@ -260,9 +260,9 @@ def sharing(bench) -> None:
     }
     table = Table("sharing: KV blocks with shared prompts (copy-on-write) vs n separate copies", COLUMNS["sharing"])
     for mode, (group, params) in modes.items():
-        r = bench.run(mode, lambda bar, p=params: systems.run_pagedlab(
+        r = bench.run(mode, lambda bar, p=params, g=group: systems.run_pagedlab(
             bench.model, bench.tokenizer, workload, params=p, repeats=o.repeats, bar=bar,
-            **_engine_options(bench, workload, max_num_seqs=max(o.max_num_seqs, num * group))))
+            **_engine_options(bench, workload, max_num_seqs=max(o.max_num_seqs, num * g))))
         size = r.extra["block_size"]
         shared = max(s.allocated for s in r.kv_per_step) // size
         unshared = max(s.unshared for s in r.kv_per_step) // size

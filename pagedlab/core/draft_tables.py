@@ -89,7 +89,8 @@ class DraftTables:
             reaches_end = start + num_new == len(tokens)
             batch.append(ScheduledRequest(
                 rid, start, num_new, rid, tuple(tokens[start : start + num_new]),
-                tuple(self.kv_cache_manager.block_tables[rid].block_ids), (SamplingRequest(rid, GREEDY),) if reaches_end else (),
+                tuple(self.kv_cache_manager.block_tables[rid].block_ids),
+                (SamplingRequest(rid, GREEDY),) if reaches_end else (),
             ))
         return batch, new_blocks
 
@@ -103,14 +104,18 @@ class DraftTables:
             self.num_committed[rid] = committed
             request = requests[rid]
             tokens = request.token_ids
-            self.kv_cache_manager.cache_full_blocks(rid, committed, lambda a, b, t=tokens: list(t[a:b]), request.cache_salt)
+            self.kv_cache_manager.cache_full_blocks(
+                rid, committed, lambda a, b, t=tokens: list(t[a:b]), request.cache_salt
+            )
             if work.sampling:
                 drafts[rid].append(sampled[rid])
 
     def _start(self, request: DraftRequest) -> None:
         """A table for a sequence new to the draft, starting from its cached prefix (with prefix caching)."""
         hits = self.kv_cache_manager.get_computed_blocks(request.token_ids, request.cache_salt)
-        if self.kv_cache_manager.allocate_slots(request.request_id, len(hits) * self.kv_cache_manager.block_size, hits) is None:
+        if self.kv_cache_manager.allocate_slots(
+            request.request_id, len(hits) * self.kv_cache_manager.block_size, hits
+        ) is None:
             hits = []  # taking cached free blocks needs free room: start empty instead
             self.kv_cache_manager.allocate_slots(request.request_id, 0)
         self.held[request.request_id] = list(request.token_ids[: len(hits) * self.kv_cache_manager.block_size])
@@ -123,7 +128,11 @@ class DraftTables:
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()
-        assert set(self.held) == set(self.kv_cache_manager.block_tables), "a draft table without held tokens, or the reverse"
+        assert set(self.held) == set(self.kv_cache_manager.block_tables), (
+            "a draft table without held tokens, or the reverse"
+        )
         for request_id, held in self.held.items():
-            assert self.kv_cache_manager.block_tables[request_id].num_tokens == len(held), f"{request_id}: table and tokens differ"
+            assert self.kv_cache_manager.block_tables[request_id].num_tokens == len(held), (
+                f"{request_id}: table and tokens differ"
+            )
             assert self.num_committed[request_id] <= len(held)

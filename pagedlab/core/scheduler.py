@@ -116,7 +116,9 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
             num_new_tokens = self._num_new_tokens(request, step.budget)
             allocation = None
             if num_new_tokens:
-                allocation = self.kv_cache_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new_tokens, hits)
+                allocation = self.kv_cache_manager.allocate_slots(
+                    request.request_id, request.num_computed_tokens + num_new_tokens, hits
+                )
             if allocation is None:
                 request.num_computed_tokens = 0
                 break
@@ -154,7 +156,9 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
             if short <= 0:
                 for request, num_new_tokens in plan:
                     start = request.num_computed_tokens
-                    allocation = self.kv_cache_manager.allocate_slots(request.request_id, start + num_new_tokens, write_from=start)
+                    allocation = self.kv_cache_manager.allocate_slots(
+                        request.request_id, start + num_new_tokens, write_from=start
+                    )
                     assert allocation is not None, "the group's blocks were counted free"
                     self._admit(request, num_new_tokens, allocation, step)
                 return True
@@ -209,8 +213,8 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         tokens = max(r.num_tokens for r in group) + 1
         return (
             f"the request needs more KV blocks than the cache holds: its {len(group)} sequences of up to {tokens} "
-            f"tokens do not fit in {self.kv_cache_manager.num_blocks} blocks of {self.kv_cache_manager.block_size} even alone; lower "
-            "beam_width or max_tokens, or give the engine more KV memory"
+            f"tokens do not fit in {self.kv_cache_manager.num_blocks} blocks of {self.kv_cache_manager.block_size} "
+            "even alone; lower beam_width or max_tokens, or give the engine more KV memory"
         )
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:

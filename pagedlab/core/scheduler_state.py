@@ -191,7 +191,9 @@ class SchedulerState:
             assert orders == sorted(orders), "running or swapped is not in arrival order"
         for request in self.swapped:
             assert request.status == RequestStatus.SWAPPED
-            assert request.request_id not in self.kv_cache_manager.block_tables, f"swapped {request.request_id} holds device blocks"
+            assert request.request_id not in self.kv_cache_manager.block_tables, (
+                f"swapped {request.request_id} holds device blocks"
+            )
             assert self.swap_space.block_tables[request.request_id].num_tokens == request.num_computed_tokens
         for request in self.running:
             assert request.status == RUNNING
@@ -202,5 +204,7 @@ class SchedulerState:
             )
         for request in self.waiting:
             assert request.status == RequestStatus.WAITING
-            assert request.request_id not in self.kv_cache_manager.block_tables, f"waiting {request.request_id} holds blocks"
+            assert request.request_id not in self.kv_cache_manager.block_tables, (
+                f"waiting {request.request_id} holds blocks"
+            )
             assert request.num_computed_tokens == 0

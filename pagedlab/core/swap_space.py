@@ -62,7 +62,9 @@ class SwapSpace:
         """Move the requests' tables to the CPU pool. Returns, per request, the (device, cpu) block pairs to
         copy (a shared block is listed once, under its first holder), and the device blocks that became
         free. The requests' prefix-cache hashes go with their device tables (swap-in rehashes)."""
-        moves = self._move([self.kv_cache_manager.block_tables[r] for r in request_ids], self.pool, request_ids, self.block_tables)
+        moves = self._move(
+            [self.kv_cache_manager.block_tables[r] for r in request_ids], self.pool, request_ids, self.block_tables
+        )
         freed = [b for r in request_ids for b in self.kv_cache_manager.free(r)]
         self.num_swapped_out_blocks += sum(len(pairs) for _, pairs in moves)
         return moves, freed
@@ -105,10 +107,14 @@ class SwapSpace:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        assert not set(self.block_tables) & set(self.kv_cache_manager.block_tables), "a request holds tables in both pools"
+        assert not set(self.block_tables) & set(self.kv_cache_manager.block_tables), (
+            "a request holds tables in both pools"
+        )
         holders = [0] * self.pool.num_blocks
         for request_id, table in self.block_tables.items():
-            assert len(table.block_ids) == self.kv_cache_manager.num_blocks_for(table.num_tokens), f"{request_id}: CPU table size"
+            assert len(table.block_ids) == self.kv_cache_manager.num_blocks_for(table.num_tokens), (
+                f"{request_id}: CPU table size"
+            )
             for block_id in table.block_ids:
                 holders[block_id] += 1
         assert holders == self.pool.ref_count, "CPU ref counts differ from the CPU tables"

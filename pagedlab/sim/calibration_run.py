@@ -86,7 +86,7 @@ def run_calibration(model, tokenizer, repeats: int = 3, scale: float = 1.0, seed
 
 def error_summary(calibration: Calibration) -> str:
     """The calibration's coefficients and errors in Markdown: what chapter 14 shows and the README states
-    (tests/test_sim.py checks that the README's copy is this text for the shipped calibration)."""
+    (tests/sim/test_sim.py checks that the README's copy is this text for the shipped calibration)."""
     c, m = calibration.step_cost, calibration.machine
     steps, serving = calibration.error["steps"], calibration.error["serving"]
     spread = max(n["total_spread"] for n in calibration.noise.values())

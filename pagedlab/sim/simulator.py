@@ -3,7 +3,7 @@ manager, trace) over a synthetic workload and returns the `Trace` the engine wou
 
 `SimEngine` is `LLMEngine` with the model replaced: the same `EngineCore`, stepping a `MadeUpExecutor` (made-up
 tokens) and made-up beam steps, behind the same request interface and the same input checks. With EOS ignored
-the schedule does not depend on token values, so the trace equals the engine's (tests/test_sim_consistency.py
+the schedule does not depend on token values, so the trace equals the engine's (tests/sim/test_sim_consistency.py
 checks it step by step). Time is simulated: each step lasts what the cost model says, and `pagedlab.driver`
 adds a request before the first step that starts at or after its arrival.
 
@@ -105,7 +105,8 @@ class SimEngine:
         processed = self.inputs.process(prompt, params)
         request = self.engine_core.add_request(request_id, processed.token_ids, params, cache_salt=processed.cache_salt)
         if isinstance(params, BeamSearchParams):
-            self.beams.add(request_id, request.request_id, params.beam_width, min(params.max_tokens, request.max_tokens))
+            self.beams.add(request_id, request.request_id, params.beam_width,
+                           min(params.max_tokens, request.max_tokens))
         self.trace.group_of[request.request_id] = request_id
         return request_id
 
