@@ -130,7 +130,7 @@ class AsyncLLM:
     """An `LLMEngine` stepped by a background task, for many concurrent requests.
 
     It binds to the event loop of its first request. `stat_loggers` get `record(EngineStats, IterationStats
-    | None)` after every step and every abort (see `pagedlab.metrics`)."""
+    | None)` after every step and every abort (see `pagedlab.prometheus`)."""
 
     def __init__(self, engine, stat_loggers=()) -> None:
         self.engine = engine

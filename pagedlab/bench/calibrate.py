@@ -1,6 +1,6 @@
 """The calibrate workload: the simulator's step cost model fitted to this engine on this machine.
 
-Runs `pagedlab.sim.calibration_run.run_calibration` (fit workloads, held-out workloads step by step, real-time
+Runs `pagedlab.bench.calibration_run.run_calibration` (fit workloads, held-out workloads step by step, real-time
 Poisson arrivals) and writes three tables, `calibration.json` (copy it to `pagedlab/sim/calibration.json` to ship
 it) and the raw step times (`calibration_steps.json`).
 
@@ -21,7 +21,7 @@ SERVING_COLUMNS = ("metric", "simulated", "real", "error")
 
 
 def run(bench) -> None:
-    from pagedlab.sim.calibration_run import run_calibration
+    from pagedlab.bench.calibration_run import run_calibration
 
     o = bench.options
     repeats = max(3, o.repeats)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from pagedlab.bench import metrics
+from pagedlab.bench import run_metrics
 from pagedlab.worker import cpu_attention
 from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext
 from pagedlab.worker.kv_cache import KVCacheSpec
@@ -149,7 +149,7 @@ class DecodeResult:
     read_bandwidth: list[float] = field(default_factory=list)  # bytes/s, one per round
 
     def median(self, variant: str) -> float:
-        return metrics.median(self.times.get(variant, []))
+        return run_metrics.median(self.times.get(variant, []))
 
     def attention_s(self, variant: str = "step") -> float:
         return self.median(variant) - self.median("no attention")
@@ -158,7 +158,7 @@ class DecodeResult:
         attention = self.attention_s(variant)
         if not attention > 0:
             return float("nan")
-        return self.kv_read_bytes / attention / metrics.median(self.read_bandwidth)
+        return self.kv_read_bytes / attention / run_metrics.median(self.read_bandwidth)
 
 
 def model_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

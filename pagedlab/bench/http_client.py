@@ -52,14 +52,14 @@ def model_name(base_url: str, api_key: str | None = None) -> str:
     return response.json()["data"][0]["id"]
 
 
-def replay(base_url: str, workload: Workload, arrivals: Sequence[float], api_key: str | None = None,
-           bar=None) -> tuple[list[RequestTiming], float]:
+def send_requests(base_url: str, workload: Workload, arrivals: Sequence[float], api_key: str | None = None,
+                  bar=None) -> tuple[list[RequestTiming], float]:
     """Send every request at its arrival time; return the timings (in workload order) and the wall time."""
     name = model_name(base_url, api_key)
-    return asyncio.run(_replay(base_url, name, workload, arrivals, api_key, bar))
+    return asyncio.run(_send_requests(base_url, name, workload, arrivals, api_key, bar))
 
 
-async def _replay(base_url, name, workload, arrivals, api_key, bar):
+async def _send_requests(base_url, name, workload, arrivals, api_key, bar):
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), limits=limits, timeout=None) as client:
         start = time.perf_counter()

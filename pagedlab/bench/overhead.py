@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from pagedlab.bench import metrics
+from pagedlab.bench import run_metrics
 from pagedlab.core.block_table import cdiv
 
 
@@ -68,7 +68,7 @@ def scheduler_step_time(num_seqs: int, num_steps: int = 64, prompt_len: int = 12
     while scheduler.waiting:  # prefill everyone (untimed)
         step()
     times = [step() for _ in range(num_steps)]
-    return metrics.median(times)
+    return run_metrics.median(times)
 
 
 def real_step_time(model, tokenizer, num_seqs: int, prompt_len: int = 8, num_decode_steps: int = 4,
@@ -96,7 +96,7 @@ def real_step_time(model, tokenizer, num_seqs: int, prompt_len: int = 8, num_dec
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return metrics.median(times)
+    return run_metrics.median(times)
 
 
 def measure(model, tokenizer, sizes=(256, 1024), real_sizes=(256,), num_steps: int = 64) -> list[OverheadResult]:

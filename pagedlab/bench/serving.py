@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 
-from pagedlab.bench import http_client, metrics, report, systems
+from pagedlab.bench import http_client, report, run_metrics, systems
 from pagedlab.bench.report import Table
 
 COLUMNS = ("system", "request_rate", "requests", "failed", "time_s", "requests_s", "output_tok_s", "ttft_p50_s",
@@ -75,7 +75,7 @@ def run(bench, workload, engine_options: dict) -> None:
 def _run_http(url: str, workload, arrivals, bar) -> systems.RunResult:
     if bar is not None:
         bar.reset(total=len(workload.requests))
-    timings, elapsed = http_client.replay(url, workload, arrivals, bar=bar)
+    timings, elapsed = http_client.send_requests(url, workload, arrivals, bar=bar)
     ok = [t for t in timings if t.error is None]
     result = systems.RunResult("http", len(workload.requests), workload.num_prompt_tokens,
                                sum(t.num_output_tokens for t in ok), [elapsed])
@@ -89,7 +89,7 @@ def _run_http(url: str, workload, arrivals, bar) -> systems.RunResult:
 
 def _add_row(table: Table, system: str, rate: float, r, failed: int) -> None:
     def p(key, q):
-        return metrics.percentile(r.extra[key], q)
+        return run_metrics.percentile(r.extra[key], q)
 
     table.add(system=system, request_rate=rate, requests=r.num_requests, failed=failed, time_s=r.elapsed_s,
               requests_s=(r.num_requests - failed) / r.elapsed_s, output_tok_s=r.output_tokens_per_s,

@@ -6,7 +6,7 @@ results and plots to it. Table columns are fixed per workload (`COLUMNS`), whate
 
 from __future__ import annotations
 
-from pagedlab.bench import COMPARATORS, metrics, overhead, report, systems, workloads
+from pagedlab.bench import COMPARATORS, overhead, report, run_metrics, systems, workloads
 from pagedlab.bench import calibrate as calibrate_suite
 from pagedlab.bench import serving as serving_suite
 from pagedlab.bench.report import Table
@@ -82,7 +82,7 @@ def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: in
     fits in `num_slots` token slots, pagedlab's budget; and those that do not."""
     fit, over = [], []
     for bs in sorted({min(bs, len(workload.requests)) for bs in batch_sizes}):
-        peak = max(max(s.allocated for s in metrics.static_batch_kv(
+        peak = max(max(s.allocated for s in run_metrics.static_batch_kv(
             [r.num_prompt_tokens for r in batch], [r.max_tokens for r in batch]))
             for batch in (workload.requests[i : i + bs] for i in range(0, len(workload.requests), bs)))
         (fit if peak <= num_slots else over).append(bs)
@@ -232,7 +232,7 @@ def prefix(bench) -> None:
     for caching, r in runs.items():
         table.add(prefix_caching=caching, requests=r.num_requests, prefill_tokens=prefill[caching],
                   prefill_cut=1 - prefill[caching] / prefill[False],
-                  ttft_p50_s=metrics.percentile(r.extra["ttft_s"], 50),
+                  ttft_p50_s=run_metrics.percentile(r.extra["ttft_s"], 50),
                   time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
                   hit_rate=r.extra["stats"]["prefix_cache_hits"] / max(r.extra["stats"]["prefix_cache_queries"], 1),
                   outputs_identical=r.token_ids == runs[False].token_ids)
@@ -427,7 +427,7 @@ def decode(bench) -> None:
                   step_ms=1e3 * r.median("step"), step_range_ms=f"{1e3 * min(steps):.0f}-{1e3 * max(steps):.0f}",
                   no_attention_ms=1e3 * r.median("no attention"), attention_ms=1e3 * attention,
                   attention_gb_s=r.kv_read_bytes / attention / 1e9 if attention > 0 else None,
-                  read_gb_s=metrics.median(r.read_bandwidth) / 1e9, fraction_of_read=r.fraction(),
+                  read_gb_s=run_metrics.median(r.read_bandwidth) / 1e9, fraction_of_read=r.fraction(),
                   torch_path_ms=1e3 * r.median("torch path") if torch_path else None,
                   torch_path_fraction=r.fraction("torch path") if torch_path else None)
     kernel = "n/a (not CPU)" if build is None else (

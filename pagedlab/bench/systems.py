@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedlab.bench import metrics
+from pagedlab.bench import run_metrics
 from pagedlab.bench.memory import PeakRSS
 from pagedlab.bench.workloads import Workload
 
@@ -41,7 +41,7 @@ class RunResult:
     elapsed_runs: list[float]
     peak_num_seqs: int | None = None
     kv_utilization: float | None = None  # live token slots / allocated slots, over all steps
-    kv_per_step: list[metrics.KVSample] = field(default_factory=list, repr=False)
+    kv_per_step: list[run_metrics.KVSample] = field(default_factory=list, repr=False)
     num_preemptions: int | None = None
     steady_batch: int | None = None  # median tokens per model step: the roofline's matmul batch
     flops_fraction: float | None = None
@@ -52,7 +52,7 @@ class RunResult:
 
     @property
     def elapsed_s(self) -> float:
-        return metrics.median(self.elapsed_runs)
+        return run_metrics.median(self.elapsed_runs)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -149,12 +149,12 @@ def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system
     trace = engine.trace
     result = _base(system, workload)
     result.elapsed_runs = [elapsed]
-    result.kv_per_step = metrics.kv_samples(trace)
-    result.kv_utilization = metrics.utilization(result.kv_per_step)
+    result.kv_per_step = run_metrics.kv_samples(trace)
+    result.kv_utilization = run_metrics.utilization(result.kv_per_step)
     result.peak_kv_slots = max((k.allocated for k in result.kv_per_step), default=0)
     result.peak_num_seqs = max((len(r.running) for r in trace.steps), default=0)
     result.num_preemptions = stats.num_preemptions
-    result.steady_batch = round(metrics.median([r.num_batched_tokens for r in trace.steps if r.scheduled]))
+    result.steady_batch = round(run_metrics.median([r.num_batched_tokens for r in trace.steps if r.scheduled]))
     result.token_ids = [outputs[rid].outputs[0].token_ids for rid in request_ids]
     result.extra = {
         "stats": {**dataclasses.asdict(stats), **{name: getattr(stats, name, None) for name in _PREEMPTION_STATS}},
@@ -176,7 +176,7 @@ def _latencies(trace, step_times: list[float], arrived: dict[str, float]) -> dic
     ttft, tpot, itl = [], [], []
     for rid, times in token_times.items():
         if rid in arrived:
-            first, per_token, gaps = metrics.token_latencies(arrived[rid], times)
+            first, per_token, gaps = run_metrics.token_latencies(arrived[rid], times)
             ttft.append(first)
             itl.extend(gaps)
             if per_token is not None:
@@ -209,13 +209,13 @@ def run_contiguous(model, tokenizer, workload: Workload, *, num_slots: int, max_
         result.elapsed_runs = [elapsed]
         # live: every token a reservation holds, a finished request's included (as for hf-static's rows);
         # FragmentationReport.used alone counts only requests still running
-        result.kv_per_step = [metrics.KVSample(r.reserved, r.used + r.held_after_finish, r.reserved, n)
+        result.kv_per_step = [run_metrics.KVSample(r.reserved, r.used + r.held_after_finish, r.reserved, n)
                               for r, n in zip(out.reports, out.num_running)]
-        result.kv_utilization = metrics.utilization(result.kv_per_step)
+        result.kv_utilization = run_metrics.utilization(result.kv_per_step)
         result.peak_kv_slots = max((k.allocated for k in result.kv_per_step), default=0)
         result.peak_num_seqs = out.peak_num_seqs
         result.num_preemptions = 0
-        result.steady_batch = round(metrics.median(list(out.num_running)))
+        result.steady_batch = round(run_metrics.median(list(out.num_running)))
         result.token_ids = out.token_ids
         result.extra = {"num_slots": num_slots, "max_model_len": max_model_len}
         return result
@@ -252,14 +252,14 @@ def run_hf_static(model, workload: Workload, *, batch_size: int, pad_token_id: i
                     min_new_tokens=longest, pad_token_id=pad_token_id,
                 )
             token_ids.extend(out[row, width : width + r.max_tokens].tolist() for row, r in enumerate(batch))
-            kv.extend(metrics.static_batch_kv([r.num_prompt_tokens for r in batch], [r.max_tokens for r in batch]))
+            kv.extend(run_metrics.static_batch_kv([r.num_prompt_tokens for r in batch], [r.max_tokens for r in batch]))
             if bar is not None:
                 bar.update(len(batch))
         elapsed = time.perf_counter() - start
         result = _base(f"hf-static(bs={batch_size})", workload)
         result.elapsed_runs = [elapsed]
         result.kv_per_step = kv
-        result.kv_utilization = metrics.utilization(kv)  # modelled: DynamicCache rows, left-padded
+        result.kv_utilization = run_metrics.utilization(kv)  # modelled: DynamicCache rows, left-padded
         result.peak_kv_slots = max((k.allocated for k in kv), default=0)  # modelled likewise
         result.peak_num_seqs = max(len(b) for b in batches)
         result.num_preemptions = 0

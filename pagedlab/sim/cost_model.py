@@ -7,7 +7,7 @@
             + swap_block_s    * blocks swapped out or in  (the batched copies before the forward pass)
 
 `pagedlab bench --workload calibrate` times the real engine step by step on this machine and fits the
-coefficients (`pagedlab.sim.calibrate`); the fit ships as `calibration.json` beside this module, with the
+coefficients (`pagedlab.sim.cost_fit`); the fit ships as `calibration.json` beside this module, with the
 machine, the model and the error it makes against the engine. `load_calibration()` reads it. Pure Python.
 
 # Explained in chapters/14_playground.ipynb

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedlab.sim.contiguous import ContiguousTrace, simulate_contiguous
+from pagedlab.sim.contiguous_schedule import ContiguousTrace, simulate_contiguous
 from pagedlab.sim.cost_model import Calibration, load_calibration
 from pagedlab.sim.simulator import SimTrace, simulate
-from pagedlab.sim.workload import Lengths, SimRequest, make_workload
+from pagedlab.sim.synthetic_workload import Lengths, SimRequest, make_workload
 
 
 @dataclass(frozen=True)

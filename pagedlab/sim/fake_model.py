@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pagedlab.core.executor import WorkerInfo
 from pagedlab.core.sched_output import BeamDecision, ModelRunnerOutput, SchedulerOutput, UpdateOutput
 
-FIRST_MADE_UP_TOKEN = 1 << 20  # above any prompt token id of `pagedlab.sim.workload`
+FIRST_MADE_UP_TOKEN = 1 << 20  # above any prompt token id of `pagedlab.sim.synthetic_workload`
 
 
 class MadeUpTokens:

@@ -27,7 +27,7 @@ from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 from pagedlab.sim.cost_model import Calibration, StepCostModel, load_calibration
 from pagedlab.sim.fake_model import FIRST_MADE_UP_TOKEN, MadeUpBeams, MadeUpExecutor, MadeUpTokens
-from pagedlab.sim.workload import SimRequest
+from pagedlab.sim.synthetic_workload import SimRequest
 
 STEPS = StepCostModel.constant(1.0)  # a clock counted in steps: a step that computes something lasts one "second"
 

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 
 from pagedlab.sim import experiment, metrics
 from pagedlab.sim.experiment import Comparison, Settings
-from pagedlab.sim.workload import LENGTH_KINDS
+from pagedlab.sim.synthetic_workload import LENGTH_KINDS
 from pagedlab.viz._common import PNGFigure, to_png
 from pagedlab.viz.compare import draw_arena, render_comparison
 from pagedlab.viz.player import render

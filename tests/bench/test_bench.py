@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pagedlab.bench import COMPARATORS, WORKLOADS, metrics, run_benchmark, suites, systems, workloads
+from pagedlab.bench import COMPARATORS, WORKLOADS, run_benchmark, run_metrics, suites, systems, workloads
 from pagedlab.bench.report import Table
 from tests.helpers import tiny_model
 
@@ -182,9 +182,9 @@ def test_workloads_are_seeded_and_sized():
 
 
 def test_metrics():
-    assert metrics.percentile([1, 2, 3, 4], 50) == 2.5
-    assert metrics.Summary.of([1.0, 3.0]).mean == 2.0
-    samples = metrics.static_batch_kv([2, 4], [1, 3])  # width 4: rows hold 2+min(t,1) and 4+min(t,3) of 2x(4+t)
+    assert run_metrics.percentile([1, 2, 3, 4], 50) == 2.5
+    assert run_metrics.Summary.of([1.0, 3.0]).mean == 2.0
+    samples = run_metrics.static_batch_kv([2, 4], [1, 3])  # width 4: rows hold 2+min(t,1) and 4+min(t,3) of 2x(4+t)
     assert [(s.allocated, s.live) for s in samples] == [(10, 8), (12, 9), (14, 10)]
     table = Table("t", ("a", "b"))
     with pytest.raises(ValueError, match="missing"):

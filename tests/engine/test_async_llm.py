@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from pagedlab.async_llm import AsyncLLM, EngineDeadError, merge_deltas
-from pagedlab.metrics import PrometheusStatLogger, parse_metrics
 from pagedlab.outputs import CompletionOutput, RequestOutput
+from pagedlab.prometheus import PrometheusStatLogger, parse_metrics
 from pagedlab.sampling_params import SamplingParams
 from tests.helpers import FakeEngine
 

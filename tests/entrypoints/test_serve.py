@@ -26,7 +26,7 @@ from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig
 from pagedlab.engine import LLMEngine
 from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
-from pagedlab.metrics import parse_metrics
+from pagedlab.prometheus import parse_metrics
 from tests.helpers import FAIL_TOKEN, FakeEngine, tiny_model
 
 MODEL = "smollm2"

@@ -19,13 +19,13 @@ from pagedlab.sim import (
     SimEngine,
     SimRequest,
     StepCostModel,
-    calibrate,
+    cost_fit,
     load_calibration,
     make_workload,
     metrics,
     simulate,
 )
-from pagedlab.sim.contiguous import simulate_contiguous
+from pagedlab.sim.contiguous_schedule import simulate_contiguous
 from pagedlab.sim.cost_model import Calibration, step_features
 from pagedlab.sim.experiment import Settings, run
 
@@ -92,7 +92,7 @@ def test_latencies_on_a_hand_checked_run():
 
 
 def test_kv_usage_agrees_with_the_benchmark_accounting():
-    from pagedlab.bench.metrics import kv_samples
+    from pagedlab.bench.run_metrics import kv_samples
 
     trace = simulate(make_workload(30, n=2, request_rate=4.0, seed=2), cost_model=STEP, num_kv_blocks=300,
                      block_size=8, preemption_mode="swap", enable_prefix_caching=True)
@@ -229,18 +229,18 @@ def test_fit_recovers_a_known_model_from_noisy_steps():
                      enable_chunked_prefill=True, max_num_batched_tokens=256)
     features = tuple(step_features(r.scheduled) for r in trace)
     durations = tuple(tuple(truth.seconds(f) * rng.uniform(0.95, 1.05) for f in features) for _ in range(3))
-    times = calibrate.StepTimes("synthetic", features, durations)
-    fitted = calibrate.fit([times])
+    times = cost_fit.StepTimes("synthetic", features, durations)
+    fitted = cost_fit.fit([times])
     for got, want in zip(fitted.coefficients[:4], truth.coefficients[:4]):
         assert got == pytest.approx(want, rel=0.15)
-    error = calibrate.step_error(fitted, times)
+    error = cost_fit.step_error(fitted, times)
     assert abs(error.total_error) < 0.03 and error.median_abs_step_error < 0.05
 
 
 def test_nnls_keeps_coefficients_non_negative():
     rows = [(1, x, 0) for x in range(10)]
     targets = [5 - 0.1 * x for x in range(10)]  # a negative slope is not allowed: it is dropped
-    solution = calibrate.nnls(rows, targets, [1] * 10)
+    solution = cost_fit.nnls(rows, targets, [1] * 10)
     assert solution[1] == 0 and solution[0] == pytest.approx(statistics.mean(targets))
 
 
@@ -259,12 +259,12 @@ def test_calibration_measures_the_engine_and_fits(tmp_path):
 
     model = tiny_model()
     requests = [SimRequest(tuple(range(1, 1 + p)), o, a) for p, o, a in [(12, 5, 0), (30, 3, 0), (5, 8, 2)]]
-    times, engine = calibrate.measure_steps(model, None, "tiny", requests, repeats=2, num_kv_blocks=64,
+    times, engine = cost_fit.measure_steps(model, None, "tiny", requests, repeats=2, num_kv_blocks=64,
                                             max_model_len=64)
     assert len(times.durations) == 2 and len(times.features) == len(engine.trace)
-    assert calibrate.noise(times)["repeats"] == 2
-    fitted = calibrate.fit([times])
-    assert math.isfinite(calibrate.step_error(fitted, times).total_error)
+    assert cost_fit.noise(times)["repeats"] == 2
+    fitted = cost_fit.fit([times])
+    assert math.isfinite(cost_fit.step_error(fitted, times).total_error)
 
 
 # -- the playground's experiment ------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ def test_the_readme_states_the_shipped_calibrations_error():
     is a real measurement (not the placeholder), with held-out workloads and real-time serving errors."""
     from pathlib import Path
 
-    from pagedlab.sim.calibration_run import error_summary
+    from pagedlab.bench.calibration_run import error_summary
 
     calibration = load_calibration()
     assert not calibration.machine.get("placeholder"), "ship a calibration from `pagedlab bench --workload calibrate`"
@@ -302,7 +302,7 @@ def test_the_pressure_validation_workloads_preempt_at_full_scale():
     """What `pagedlab bench --workload calibrate` validates swapping and recomputing on does preempt (simulated:
     the simulator is the engine's scheduler)."""
     for name, mode in (("pressure-swap", "num_swapped_out_blocks"), ("pressure-recompute", "num_preemptions")):
-        requests, config = calibrate.validation_workloads(100, 1.0)[name]
+        requests, config = cost_fit.validation_workloads(100, 1.0)[name]
         max_model_len = max(r.num_prompt_tokens + r.output_len for r in requests)
         trace = simulate(requests, cost_model=STEP, max_model_len=max_model_len, **config)
         assert getattr(trace.stats, mode) > 0, name

@@ -30,7 +30,7 @@ from pagedlab.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 from pagedlab.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedlab.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedlab.entrypoints.openai.serving_engine import OpenAIError, error_body
-from pagedlab.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from pagedlab.prometheus import CONTENT_TYPE_LATEST, PrometheusStatLogger
 
 logger = logging.getLogger("pagedlab.serve")
 

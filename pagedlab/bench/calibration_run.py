@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedlab.core.preemption import PreemptionCostModel
-from pagedlab.sim import calibrate as cal
+from pagedlab.sim import cost_fit as cal
 from pagedlab.sim import metrics
 from pagedlab.sim.cost_model import Calibration
 from pagedlab.sim.simulator import simulate

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pagedlab.contiguous import ContiguousAllocator, FragmentationReport
 from pagedlab.sim.cost_model import StepCostModel, step_features
-from pagedlab.sim.workload import SimRequest
+from pagedlab.sim.synthetic_workload import SimRequest
 
 
 @dataclass(frozen=True)

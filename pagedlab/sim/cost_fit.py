@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pagedlab.sim.cost_model import StepCostModel, step_features
 from pagedlab.sim.simulator import drive_requests
-from pagedlab.sim.workload import Lengths, SimRequest, make_workload
+from pagedlab.sim.synthetic_workload import Lengths, SimRequest, make_workload
 
 
 @dataclass(frozen=True)
