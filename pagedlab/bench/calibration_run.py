@@ -66,7 +66,7 @@ def run_calibration(model, tokenizer, repeats: int = 3, scale: float = 1.0, seed
             measured[name], last = cal.measure_steps(model, tokenizer, name, requests, repeats,
                                                      **{"max_model_len": _max_len(requests), **config})
             engine = last if last.cost_model is not None else engine
-    p, bytes_per_block = engine.cost_model, engine.worker.bytes_per_block
+    p, bytes_per_block = engine.cost_model, engine.worker.info.bytes_per_block
     block_size = engine.config.block_size
     preemption = PreemptionCostModel(bytes_per_block, block_size, p.copy_bytes_per_s, p.prefill_tokens_per_s)
     fit_names = list(cal.fit_workloads(seed, scale))

@@ -65,7 +65,7 @@ def test_modes_keep_tokens_under_pressure(model, case, mode, prefix_caching):
     if mode == "swap":
         assert stats.num_preemptions_swap > 0
         assert stats.num_swapped_out_blocks == stats.num_swapped_in_blocks > 0
-        assert stats.num_swapped_bytes == 2 * stats.num_swapped_out_blocks * engine.worker.bytes_per_block
+        assert stats.num_swapped_bytes == 2 * stats.num_swapped_out_blocks * engine.worker.info.bytes_per_block
     assert_no_leaks(engine)
 
 

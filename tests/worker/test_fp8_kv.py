@@ -163,7 +163,7 @@ def test_schedules_keep_the_fp8_tokens(model, fp8_reference, config):
     if config["preemption_mode"] == "swap":
         assert stats.num_swapped_out_blocks > 0
         assert engine.worker.cpu_kv_cache.cache.dtype == torch.float8_e4m3fn
-        assert stats.num_swapped_bytes == 2 * stats.num_swapped_out_blocks * engine.worker.bytes_per_block
+        assert stats.num_swapped_bytes == 2 * stats.num_swapped_out_blocks * engine.worker.info.bytes_per_block
     engine.check_invariants()
 
 
@@ -239,7 +239,8 @@ def test_tensor_parallel_ranks_size_and_use_an_fp8_cache(tmp_path):
     one = LLM(tmp_path, **config)
     llm = LLM(tmp_path, tensor_parallel_size=2, **config)
     try:
-        assert llm.llm_engine.worker.num_blocks == 2 * one.llm_engine.worker.num_blocks  # half the bytes per rank
+        num_blocks = llm.llm_engine.worker.info.num_blocks
+        assert num_blocks == 2 * one.llm_engine.worker.info.num_blocks  # half the bytes per rank
         assert pagedlab_greedy(llm, prompts, 12) == pagedlab_greedy(one, prompts, 12)
     finally:
         llm.close()

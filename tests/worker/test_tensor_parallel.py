@@ -105,7 +105,7 @@ def test_two_ranks_equal_one_and_hugging_face(folders, family, mode):
 
     # each rank holds half of every block: the same block count, half the heads, half the bytes
     executor = llm.llm_engine.worker
-    assert executor.num_blocks == one.llm_engine.worker.num_blocks
+    assert executor.info.num_blocks == one.llm_engine.worker.info.num_blocks
     single = one.llm_engine.worker.model_runner.kv_cache.nbytes
     assert executor.collective_rpc("kv_cache_bytes") == [single // 2] * 2
     assert [info.kv_heads for info in executor.ranks] == [(0, 1), (1, 2)]
