@@ -115,7 +115,7 @@ def compile_demos() -> dict:
 @pytest.fixture(scope="module")
 def demos() -> dict:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    code = "import json, tests.test_kernels_compile as t; print(json.dumps(t.compile_demos()))"
+    code = "import json, tests.kernels.test_kernels_compile as t; print(json.dumps(t.compile_demos()))"
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=README.parent, env=env,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
