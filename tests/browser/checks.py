@@ -189,12 +189,8 @@ def _check_players(page, problems: Problems) -> None:
         name = f"player {i + 1} of {players.count()}"
         player = players.nth(i)
         player.scroll_into_view_if_needed()
-        missing = [
-            part
-            for part, selector in [("play button", PLAY_BUTTON), ("slider", SLIDER_HANDLE), ("picture", FRAME),
-                                   ("event text", EVENTS)]
-            if not player.locator(selector).count()
-        ]
+        missing = _missing_parts(player, [("play button", PLAY_BUTTON), ("slider", SLIDER_HANDLE), ("picture", FRAME),
+                                          ("event text", EVENTS)])
         if missing:
             problems.add(f"{name} rendered without its {', '.join(missing)}")
             continue
@@ -203,6 +199,11 @@ def _check_players(page, problems: Problems) -> None:
             problems.add(f"{name}: the picture never loaded")
             continue
         _check_play(page, player, name, problems)
+
+
+def _missing_parts(element, parts: list[tuple[str, str]]) -> list[str]:
+    """The names of the (name, CSS selector) parts that `element` does not contain."""
+    return [name for name, selector in parts if not element.locator(selector).count()]
 
 
 def image_loaded(page, image, timeout: float = 10) -> bool:
@@ -247,9 +248,8 @@ def _check_playgrounds(page, problems: Problems) -> None:
 
 def _check_playground(page, panel, name: str, problems: Problems) -> None:
     panel.scroll_into_view_if_needed()
-    parts = [("KV budget slider", PLAYGROUND_SLIDER), ("plots", PLAYGROUND_PLOTS),
-             ("run button", "button.pagedlab-run")]
-    missing = [part for part, selector in parts if not panel.locator(selector).count()]
+    missing = _missing_parts(panel, [("KV budget slider", PLAYGROUND_SLIDER), ("plots", PLAYGROUND_PLOTS),
+                                     ("run button", "button.pagedlab-run")])
     if missing:
         problems.add(f"{name} rendered without its {', '.join(missing)}")
         return
