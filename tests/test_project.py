@@ -174,6 +174,8 @@ llm = LLM(model, num_kv_blocks=16, block_size=4)
 out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 workload = make_workload(4, prompt_len=Lengths("fixed", 8), output_len=Lengths("fixed", 4))
 trace = simulate(workload, num_kv_blocks=32, block_size=4)
+from pagedlab.worker import cpu_attention
+assert cpu_attention.SOURCE.exists() and cpu_attention.kernel() is not None, cpu_attention.load().error
 print(len(names), len(out[0].outputs[0].token_ids), len(trace))
 """
 
@@ -205,8 +207,13 @@ def test_a_wheel_installed_in_a_fresh_venv_imports_everything_and_runs(tmp_path)
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([*pip, "--python", python, "install", "--no-deps", "--no-index", wheel], check=True)
-    run = subprocess.run([python, "-c", WHEEL_CHECK], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TRITON_INTERPRET": "1"})
+    # A home of its own; the C++ kernel's build cache is shared (its name hashes the source text, so the wheel's copy
+    # of the source loads the build the checkout made instead of compiling for a minute).
+    from pagedlab.worker import cpu_attention
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TRITON_INTERPRET": "1",
+           "PAGEDLAB_CACHE": str(cpu_attention.CACHE_DIR.parent)}
+    run = subprocess.run([python, "-c", WHEEL_CHECK], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     num_modules, num_tokens, num_steps = map(int, run.stdout.split())
     assert num_modules > 50 and num_tokens == 4 and num_steps > 0

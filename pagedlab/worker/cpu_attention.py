@@ -6,8 +6,10 @@ the kernel (csrc/paged_decode_cpu.cpp) walks each sequence's block table and rea
 lie. It is compiled with the system's C++ compiler and OpenMP through `torch.utils.cpp_extension` the first
 time it is asked for (vLLM's CPU backend also builds C++ attention; pagedlab builds it lazily so that a
 `pip install` needs no compiler), and cached in ~/.cache/pagedlab/torch_extensions under a name that hashes
-the source, the flags, torch's version and the CPU, so later processes load it in about a second (a first
-build took 38-98 s on a busy 2-core machine).
+the source text, the flags, the torch it builds against and the CPU, so later processes load it in about a second
+(a first build took 38-98 s on a busy 2-core machine; `make install` builds it, and a lazy first build says so in
+a line before and after). The source is copied into the build folder and compiled from there, so every checkout,
+virtual environment and wheel with the same source shares one build.
 Where it cannot be built (no compiler, no OpenMP) one warning says so and `kernel()` returns None: the
 caller then runs the torch path. PAGEDLAB_CPU_KERNEL=0 in the environment turns the kernel off.
 
@@ -21,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import sysconfig
 import time
 import warnings
 from dataclasses import dataclass
@@ -65,14 +68,25 @@ def _cpu_signature() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: one per source text, flags, torch version and CPU, so a cache never goes stale; and
-    per source path, because torch's build file names the source by its path: two checkouts sharing one name
-    would each see the other's build file and recompile (half a minute) on every load."""
+    """The extension's name: one per source text, flags, torch build and CPU, so a cache never goes stale. Where
+    the source lies is left out (the build compiles a copy kept beside it), and torch's folder is in: torch's build
+    file names its headers by that path, so two torch installs sharing one name would rebuild on every load."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_text(), str(SOURCE.resolve()), " ".join(compiler_flags()), torch.__version__,
-                 _cpu_signature()):
+    for part in (SOURCE.read_text(), " ".join(compiler_flags()), torch.__version__, str(Path(torch.__file__).parent),
+                 sysconfig.get_paths()["include"], _cpu_signature()):
         digest.update(part.encode())
     return f"pagedlab_paged_decode_cpu_{digest.hexdigest()[:16]}"
+
+
+def _source_copy(directory: Path) -> Path:
+    """The source, copied into the build folder (written atomically, once): the path torch's build file names."""
+    copy = directory / SOURCE.name
+    text = SOURCE.read_text()
+    if not copy.exists() or copy.read_text() != text:
+        partial = copy.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text)
+        partial.replace(copy)
+    return copy
 
 
 def _disabled() -> bool:
@@ -88,12 +102,14 @@ def load() -> KernelBuild:
     directory = CACHE_DIR / name
     compiled = not any(directory.glob("*.so"))
     start = time.perf_counter()
+    if compiled:
+        logger.warning("compiling pagedlab's C++ CPU attention kernel for this CPU, once (about a minute) ...")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(directory / "lock")
         flags = compiler_flags()
-        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                    build_directory=str(directory), verbose=False)
+        module = cpp_extension.load(name, [str(_source_copy(directory))], extra_cflags=flags,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, no OpenMP, no ninja, a read-only home...: the torch path runs
         message = _first_error(error)
         warnings.warn(
@@ -103,7 +119,10 @@ def load() -> KernelBuild:
         )
         return KernelBuild(None, message, time.perf_counter() - start, False)
     seconds = time.perf_counter() - start
-    logger.info("C++ CPU attention kernel %s in %.1f s (%s)", "compiled" if compiled else "loaded", seconds, directory)
+    if compiled:
+        logger.warning("pagedlab's C++ CPU attention kernel compiled in %.0f s, cached in %s", seconds, directory)
+    else:
+        logger.info("C++ CPU attention kernel loaded in %.1f s (%s)", seconds, directory)
     return KernelBuild(module, None, seconds, compiled)
 
 
@@ -170,3 +189,9 @@ def paged_decode_cpu(
     module.paged_decode(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
                         int(sliding_window or 0))
     return out
+
+
+if __name__ == "__main__":  # `make install` builds the kernel here, so that no first decode waits for it
+    build = load()
+    print(f"C++ CPU attention kernel: {'ready' if build.module else 'not built: ' + str(build.error)} "
+          f"({'compiled' if build.compiled else 'cached'}, {build.seconds:.0f} s)")

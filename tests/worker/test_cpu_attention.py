@@ -89,13 +89,18 @@ def test_build_name_changes_with_the_source(monkeypatch, tmp_path):
     assert cpu_attention.build_name() != name
 
 
-def test_build_name_differs_between_checkouts(monkeypatch, tmp_path):
-    """The same source in another checkout gets its own build: sharing one, each load recompiled it."""
+def test_the_same_source_elsewhere_shares_one_build(monkeypatch, tmp_path):
+    """Another checkout, virtual environment or wheel with the same source loads the same build (it used to name
+    its own, so the wheel test and every fresh install compiled again), compiled from the copy beside it."""
     name = cpu_attention.build_name()
     copy = tmp_path / "paged_decode_cpu.cpp"
     copy.write_text(cpu_attention.SOURCE.read_text())
     monkeypatch.setattr(cpu_attention, "SOURCE", copy)
-    assert cpu_attention.build_name() != name
+    assert cpu_attention.build_name() == name
+    build = tmp_path / "build"
+    build.mkdir()
+    source = cpu_attention._source_copy(build)
+    assert source == build / copy.name and source.read_text() == copy.read_text()
 
 
 def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tmp_path):
