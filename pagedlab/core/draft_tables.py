@@ -12,8 +12,9 @@ still holds, which drops the drafts the target rejected:
 
 Then each pass computes every sequence's tokens the draft has not seen (a catch-up chunk after a prefill, one
 draft token later) and draws the next draft greedily from its last row (`next_pass`, `advance`): the catch-up and
-the drafting are the same rule. Only committed tokens are hashed for prefix caching, so a rollback never cuts
-into a cached block. Pure Python: the proposer in `pagedlab.spec_decode.draft_model` runs the passes.
+the drafting are the same rule. Only committed tokens before the newest are hashed for prefix caching (the
+newest is computed again at every sync, also when its sequence was left out of the target's step), so a rollback
+never cuts into a cached block. Pure Python: the proposer in `pagedlab.spec_decode.draft_model` runs the passes.
 
 # Explained in chapters/11_speculative_decoding.ipynb
 """
@@ -100,12 +101,14 @@ class DraftTables:
         for work in batch:
             rid = work.request_id
             self.held[rid] += work.token_ids
-            committed = min(len(self.held[rid]), len(requests[rid].token_ids))
-            self.num_committed[rid] = committed
             request = requests[rid]
             tokens = request.token_ids
+            self.num_committed[rid] = min(len(self.held[rid]), len(tokens))
+            # The newest token is computed again at the next sync (its row gives the first draft), so its block
+            # stays unpublished: only the full blocks before it are cached.
+            num_cacheable = min(len(self.held[rid]), len(tokens) - 1)
             self.kv_cache_manager.cache_full_blocks(
-                rid, committed, lambda a, b, t=tokens: list(t[a:b]), request.cache_salt
+                rid, num_cacheable, lambda a, b, t=tokens: list(t[a:b]), request.cache_salt
             )
             if work.sampling:
                 drafts[rid].append(sampled[rid])

@@ -352,3 +352,27 @@ def test_fp8_kv_cache_speculation_changes_no_token(case):
         config = EngineConfig(block_size=4, num_kv_blocks=512, kv_cache_dtype="fp8", speculative_config=spec)
         outputs.append(run_engine(LLMEngine(model, None, config), prompts, 24))
     assert outputs[0] == outputs[1]
+
+
+def test_a_draft_model_with_prefix_caching_when_a_decode_is_left_out(case):
+    """n = 3 samples and a budget of 2 tokens: some running decode is left out of each step, with a length that
+    is a multiple of block_size; the draft model drafts for it again (issue 31: every later step raised 'rolled
+    back into a cached block'). The seeded samples are those drawn without speculation."""
+    model, _, _ = case
+    params = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=8)
+
+    def run(spec):
+        config = EngineConfig(block_size=2, num_kv_blocks=64, max_num_batched_tokens=2, enable_chunked_prefill=True,
+                              enable_prefix_caching=True, speculative_config=spec)
+        engine = LLMEngine(model, None, config)
+        engine.add_request("a", {"prompt_token_ids": [1, 2, 3, 4, 5]}, params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+            engine.check_invariants()
+            if spec:
+                engine.proposer.tables.check_invariants()
+        return [c.token_ids for c in outputs[0].outputs]
+
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    assert run(spec) == run(None)
