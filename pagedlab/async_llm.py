@@ -61,6 +61,7 @@ class _RequestState:
     first_token_step_start: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    finish_reason: str | None = None  # of its first sample (a delta carries only the samples that changed)
 
 
 def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -285,11 +286,11 @@ class AsyncLLM:
                 state.last_token_time = end
                 state.num_generation_tokens += num_new
                 iteration.num_generation_tokens += num_new
+            state.finish_reason = next((c.finish_reason for c in output.outputs if c.index == 0), state.finish_reason)
             if output.finished:
                 del self._requests[output.request_id]
                 queue = None if state.first_token_step_start is None else state.first_token_step_start - state.arrival
-                reason = output.outputs[0].finish_reason if output.outputs else None
-                iteration.finished.append(FinishedRequest(reason, len(state.stream.prompt_token_ids or ()),
+                iteration.finished.append(FinishedRequest(state.finish_reason, len(state.stream.prompt_token_ids or ()),
                                                           state.num_generation_tokens, end - state.arrival, queue))
             state.stream.put(output)
         return iteration

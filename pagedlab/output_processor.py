@@ -4,8 +4,9 @@ The core sees token ids only. For every user request, `OutputProcessor` keeps a 
 holding what the user sees: one `SequenceState` per sample, each with its tokens, its incremental detokenizer
 and its logprobs. Each step it takes the core's output (samples forked, tokens appended with their logprobs,
 sequences finished or failed), detokenizes, checks stop strings, and returns the `RequestOutput`s of the
-requests that changed, as their output kind asks: everything so far (CUMULATIVE), only what is new (DELTA), or
-once at the end (FINAL_ONLY). Sequences that hit a stop string are returned too: the engine tells the core to
+requests that changed, as their output kind asks: everything so far (CUMULATIVE), only what is new (DELTA: the
+samples with new tokens or text, or with a finish not yet reported, each reported finished once), or once at the
+end (FINAL_ONLY). Sequences that hit a stop string are returned too: the engine tells the core to
 finish them.
 
 # Explained in chapters/09_the_whole_engine.ipynb
@@ -13,6 +14,7 @@ finish them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pagedlab.core.engine_core import EngineCoreOutput
@@ -32,6 +34,7 @@ class SequenceState:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0  # for DELTA outputs: what was already returned
     num_sent_chars: int = 0
+    finish_sent: bool = False
 
     @property
     def text(self) -> str:
@@ -169,19 +172,31 @@ class OutputProcessor:
             return None
         if finished:
             self._forget(state)
-        completions = [self._completion(s, state.params) for s in state.sequences.values()]
+        if kind == RequestOutputKind.DELTA:
+            completions = [c for s in state.sequences.values() if (c := self._delta(s, state.params)) is not None]
+            if not completions:
+                return None
+        else:
+            completions = [self._completion(s, state.params) for s in state.sequences.values()]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished)
 
     @staticmethod
     def _completion(sequence: SequenceState, params: SamplingParams) -> CompletionOutput:
         finished = sequence.finish_reason is not None
         text = sequence.detokenizer.streamable_text(finished) if sequence.detokenizer is not None else ""
-        token_ids = list(sequence.token_ids)
         logprobs = list(sequence.logprobs) if params.logprobs is not None else None
-        kind = params.output_kind
-        if kind == RequestOutputKind.DELTA:
-            text, token_ids = text[sequence.num_sent_chars :], token_ids[sequence.num_sent_tokens :]
-            logprobs = logprobs[sequence.num_sent_tokens :] if logprobs is not None else None
-            sequence.num_sent_chars += len(text)
-            sequence.num_sent_tokens += len(token_ids)
-        return CompletionOutput(sequence.index, text, token_ids, sequence.finish_reason, sequence.stop_reason, logprobs)
+        return CompletionOutput(sequence.index, text, list(sequence.token_ids), sequence.finish_reason,
+                                sequence.stop_reason, logprobs)
+
+    def _delta(self, sequence: SequenceState, params: SamplingParams) -> CompletionOutput | None:
+        """What is new in one sample since its last delta; None if nothing is (its finish is reported once)."""
+        output = self._completion(sequence, params)
+        text, token_ids = output.text[sequence.num_sent_chars :], output.token_ids[sequence.num_sent_tokens :]
+        newly_finished = output.finished and not sequence.finish_sent
+        if not (text or token_ids or newly_finished):
+            return None
+        logprobs = output.logprobs[sequence.num_sent_tokens :] if output.logprobs is not None else None
+        sequence.num_sent_chars += len(text)
+        sequence.num_sent_tokens += len(token_ids)
+        sequence.finish_sent = output.finished
+        return dataclasses.replace(output, text=text, token_ids=token_ids, logprobs=logprobs)

@@ -1,6 +1,6 @@
 """What the tests share: tiny random models of each supported family, random prompts, Hugging Face's greedy
-reference, a driver that checks invariants every step, a byte tokenizer for text on tiny models, and a fake engine
-for the async frontend. Fixtures and hooks live in conftest.py."""
+reference, a driver that checks invariants every step, a byte tokenizer for text on tiny models (and one with a chat
+template, for a tiny server), and a fake engine for the async frontend. Fixtures and hooks live in conftest.py."""
 
 from __future__ import annotations
 
@@ -141,6 +141,40 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) - 32 for c in text]  # printable ASCII only
+
+
+class ChatByteTokenizer(ByteTokenizer):
+    """`ByteTokenizer` with a one-line chat template, so that a tiny model can serve /v1/chat/completions. Like
+    Hugging Face's fast tokenizers, `encode` refuses text that is not valid Unicode (a lone surrogate) with a
+    cryptic TypeError."""
+
+    chat_template = "{role}: {content}|"
+
+    def __init__(self, vocab_size: int = 128) -> None:
+        super().__init__(vocab_size)
+        self.render_threads: list[int] = []  # the thread of each apply_chat_template call
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True, tokenize: bool = False) -> str:
+        self.render_threads.append(threading.get_ident())
+        text = "".join(self.chat_template.format(**message) for message in conversation)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, "
+                            "InputSequence]]") from None
+        return super().encode(text)
+
+
+def tiny_server_engine(**config):
+    """An `LLMEngine` over the tiny llama and `ChatByteTokenizer`, for a fast server."""
+    from pagedlab.config import EngineConfig
+    from pagedlab.engine import LLMEngine
+
+    config = dict(preemption_mode="recompute", num_kv_blocks=256, max_num_seqs=32, record_trace=False) | config
+    return LLMEngine(tiny_model(), ChatByteTokenizer(), EngineConfig(**config))
 
 
 FAIL_TOKEN = 666  # a prompt starting with this token fails in the engine (finish_reason "error")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -120,6 +122,30 @@ def test_step_engine_streams_and_aborts():
     stats = engine.stats()
     assert stats.num_used_blocks == 0 and stats.num_finished == 3 and stats.num_running == 0
     assert stats.num_generated_tokens == 5 + 5 + 3
+
+
+def test_delta_outputs_of_n_samples_report_each_finish_once():
+    """A sample that finished is not in later deltas: only the samples with something new, or a new finish."""
+    engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=64))
+    params = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=30, stop_token_ids=list(range(40)),
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
+    finishes, tokens, num_steps = [], {0: [], 1: [], 2: []}, 0
+    while engine.has_unfinished_requests() and num_steps < 100:
+        for output in engine.step():
+            for c in output.outputs:
+                assert c.token_ids or c.finish_reason is not None  # nothing empty is sent
+                tokens[c.index] += c.token_ids
+                finishes += [c.index] if c.finish_reason is not None else []
+        num_steps += 1
+    assert sorted(finishes) == [0, 1, 2]
+    assert len({len(t) for t in tokens.values()}) > 1  # they finished at different steps
+    final = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=64))
+    final.add_request("a", {"prompt_token_ids": [1, 2, 3]}, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    outputs = []
+    while final.has_unfinished_requests():
+        outputs += final.step()
+    assert [c.token_ids for c in outputs[0].outputs] == [tokens[i] for i in range(3)]
 
 
 def test_trace_records_every_step():

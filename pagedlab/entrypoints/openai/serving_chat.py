@@ -91,8 +91,6 @@ class OpenAIServingChat(OpenAIServing):
             async for output in stream:
                 raise_if_failed(output)
                 for c in output.outputs:
-                    if not c.token_ids and not c.text and c.finish_reason is None:
-                        continue
                     num_output += len(c.token_ids)
                     delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                     yield sse(head | {"choices": [{"index": c.index, "delta": delta,

@@ -78,8 +78,6 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, output in merge_streams(streams):
                 raise_if_failed(output)
                 for c in output.outputs:
-                    if not c.token_ids and not c.text and c.finish_reason is None:
-                        continue  # a sample with nothing new in this step
                     k = i * n + c.index
                     choice_logprobs = None
                     if request.logprobs is not None:

@@ -1,0 +1,56 @@
+"""Streams of `pagedlab serve` against OpenAI's contract, on a tiny random model: one finish chunk per choice
+with n > 1 (completions and chat), logprob offsets equal streamed or not, and the prompt's logprobs with `echo`.
+
+The server runs in a background thread on a free 127.0.0.1 port and is driven by the official `openai` client.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import openai
+import pytest
+
+from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
+from tests.helpers import tiny_server_engine
+
+MODEL = "tiny"
+# A sampled token in 0-39 ends a sample: with n = 3 the choices finish at different steps.
+STOPPING = dict(n=3, temperature=1.0, seed=42, max_tokens=30, extra_body={"stop_token_ids": list(range(40))})
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(build_app(tiny_server_engine(), MODEL)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _finish_chunks(chunks) -> Counter:
+    return Counter(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason is not None)
+
+
+def test_a_streamed_completion_sends_one_finish_chunk_per_choice(client):
+    full = client.completions.create(model=MODEL, prompt="Hello", **STOPPING)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", stream=True, **STOPPING))
+    assert _finish_chunks(chunks) == {0: 1, 1: 1, 2: 1}
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in full.choices]
+    finish = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
+    assert [finish[i] for i in range(3)] == [c.finish_reason for c in full.choices]
+    assert len({len(t) for t in texts}) > 1  # the choices finished at different steps
+
+
+def test_a_streamed_chat_sends_one_finish_chunk_per_choice(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **STOPPING)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **STOPPING))
+    assert _finish_chunks(chunks) == {0: 1, 1: 1, 2: 1}
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.message.content for c in full.choices]
+    # the samples finished at different steps, so a finished one was left behind by the others
+    assert len({len(t) for t in texts}) > 1
