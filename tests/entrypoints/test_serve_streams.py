@@ -54,3 +54,14 @@ def test_a_streamed_chat_sends_one_finish_chunk_per_choice(client):
     assert texts == [c.message.content for c in full.choices]
     # the samples finished at different steps, so a finished one was left behind by the others
     assert len({len(t) for t in texts}) > 1
+
+
+def test_streamed_text_offsets_equal_the_full_ones_while_a_stop_string_holds_text_back(client):
+    """A stop string that could still be forming holds the last characters back from the stream; the offsets
+    are the tokens' places in the text all the same."""
+    request = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, logprobs=0, stop=["~~~~"])
+    full = client.completions.create(**request).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **request))
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert len(full.text_offset) == 8 and offsets == full.text_offset
+    assert full.text_offset == [sum(len(t) for t in full.tokens[:i]) for i in range(8)]

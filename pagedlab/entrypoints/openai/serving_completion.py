@@ -83,7 +83,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     if request.logprobs is not None:
                         choice_logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
                                                                    offsets[k])
-                    offsets[k] += len(c.text)
+                        # the tokens' texts, as the full response counts them (a stop string may hold text back)
+                        offsets[k] += sum(len(token) for token in choice_logprobs["tokens"])
                     num_output += len(c.token_ids)
                     yield sse(head | {"choices": [{"index": k, "text": c.text, "logprobs": choice_logprobs,
                                                    "finish_reason": c.finish_reason}]})
