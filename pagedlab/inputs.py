@@ -1,9 +1,10 @@
 """Prompts in: text, token ids or a dict, tokenized and checked against what this engine can ever run.
 
 Every check happens before anything changes, and each failure is a `ValueError` that names the problem: an empty
-prompt, token ids outside the vocabulary, a prompt that could never fit (in max_model_len, in the whole KV
-cache, or in one step without chunked prefill), more samples or beams than max_num_seqs lets run at once, stop
-token ids outside the vocabulary.
+prompt, token ids that are not integers or lie outside the vocabulary, a cache salt that is not a non-empty
+string, a prompt that could never fit (in max_model_len, in the whole KV cache, or in one step without chunked
+prefill), more samples or beams than max_num_seqs lets run at once, stop token ids outside the vocabulary, more
+logprobs than the vocabulary has tokens.
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
@@ -41,10 +42,10 @@ class InputProcessor:
         return processed
 
     def _tokenize(self, prompt: PromptType) -> ProcessedPrompt:
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        salt = _cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt)
+                return ProcessedPrompt(prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"]), salt)
             if "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             prompt = prompt["prompt"]
@@ -52,8 +53,8 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt), salt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return ProcessedPrompt(None, list(prompt), salt)
+        if isinstance(prompt, (list, tuple)):
+            return ProcessedPrompt(None, _token_ids(prompt), salt)
         raise TypeError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -96,3 +97,28 @@ class InputProcessor:
             raise ValueError(
                 f"SamplingParams stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"
+            )
+
+
+def _token_ids(values) -> list[int]:
+    """A prompt's token ids as ints: floats, bools (True would pass for 1) and other values are refused."""
+    bad = [t for t in values if not isinstance(t, int) or isinstance(t, bool)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers, got {bad[:5]!r}")
+    return list(values)
+
+
+def _cache_salt(salt) -> str | None:
+    """A cache salt is hashed as UTF-8 into every block hash of its request: a non-empty string that encodes."""
+    if salt is None:
+        return None
+    try:
+        if isinstance(salt, str) and salt:
+            salt.encode("utf-8")
+            return salt
+    except UnicodeEncodeError:
+        pass
+    raise ValueError(f"cache_salt must be a non-empty string that UTF-8 can encode, got {salt!r}")

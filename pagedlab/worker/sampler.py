@@ -97,7 +97,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # keep a token while the mass before it < top_p
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False  # the likeliest always stays (a top_p like 1e-46 is 0.0 in float32, and would drop all)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)

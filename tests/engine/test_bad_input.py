@@ -93,11 +93,55 @@ def test_max_model_len_beyond_the_kv_cache_is_rejected_at_start():
         (dict(seed="x"), "seed"),
         (dict(n=0), "n"),
         (dict(n=2, temperature=0), "n"),
+        # issue 31: values that were accepted and failed or misbehaved later
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="1"), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(seed=2**64 - 1, n=2), "seed"),  # sample 1 would draw with seed 2**64
+        (dict(seed=True), "seed"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(n=True), "n"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(min_tokens=True), "min_tokens"),
+        (dict(top_k=True), "top_k"),
+        (dict(stop_token_ids=[True]), "stop_token_ids"),
+        (dict(output_kind="delta"), "output_kind"),
     ],
 )
 def test_invalid_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
         SamplingParams(**kwargs)
+
+
+def test_seeds_the_generator_takes_are_accepted(engine):
+    """torch's generators take seeds from -2**63 to 2**64 - 1; every sample's seed (seed + i) must be one."""
+    for params in (SamplingParams(seed=-(2**63)), SamplingParams(seed=2**64 - 2, n=2, max_tokens=2)):
+        engine.add_request(None, [1, 2, 3], params)
+    while engine.has_unfinished_requests():
+        assert all(c.finish_reason != "error" for o in engine.step() for c in o.outputs)
+    assert_still_serves(engine)
+
+
+@pytest.mark.parametrize("logprobs", [129, 1000])
+def test_more_logprobs_than_the_vocabulary_is_refused(engine, logprobs):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.logprobs={logprobs} is more than the vocabulary"):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(logprobs=logprobs))
+    engine.add_request("all", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2, logprobs=128))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_still_serves(engine)
+
+
+@pytest.mark.parametrize("token_ids", [[1, 2.0, 3], [1, True], ["a"], [None]])
+def test_token_ids_that_are_not_integers_are_refused(engine, token_ids):
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        engine.add_request("bad", {"prompt_token_ids": token_ids}, GREEDY)
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        engine.add_request("bad", token_ids, GREEDY)
+    assert_still_serves(engine)
 
 
 @pytest.mark.parametrize(
@@ -182,3 +226,16 @@ def test_encoder_model_is_refused_at_load():
 def test_bad_dtype_or_device(dtype, device):
     with pytest.raises(ValueError, match="dtype must be one of|device must be 'cpu', 'cuda' or 'auto'"):
         LLM(tiny_model(), dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("salt", [123, ["a"], "", "\ud800"])
+def test_a_bad_cache_salt_is_refused_and_nothing_else_breaks(salt):
+    """issue 31: a non-string or unencodable salt was accepted, and with prefix caching every later step raised."""
+    engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=16, enable_prefix_caching=True))
+    engine.add_request("running", {"prompt_token_ids": [4, 5, 6, 7, 8], "cache_salt": "tenant"}, GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=r"cache_salt must be a non-empty string that UTF-8 can encode, got"):
+        engine.add_request("bad", {"prompt_token_ids": [1, 2, 3, 4, 5], "cache_salt": salt}, GREEDY)
+    while engine.has_unfinished_requests():
+        assert all(c.finish_reason != "error" for o in engine.step() for c in o.outputs)
+    assert_still_serves(engine)

@@ -118,7 +118,11 @@ def test_beam_search_survives_preemption(model):
 @pytest.mark.parametrize(
     "kwargs, field",
     [(dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
-     (dict(beam_width=2, max_tokens=4, early_stopping="soon"), "early_stopping")],
+     (dict(beam_width=2, max_tokens=4, early_stopping="soon"), "early_stopping"),
+     # issue 31: these raised a TypeError inside step(), after the model ran, at every step (NaN was accepted)
+     *[(dict(beam_width=2, max_tokens=4, length_penalty=v), "length_penalty")
+       for v in (None, "1.0", float("nan"), float("inf"), True)],
+     (dict(beam_width=True, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=True), "max_tokens")],
 )
 def test_invalid_beam_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}"):
