@@ -2,8 +2,9 @@
 background thread on a free loopback port (`ServerThread`, for tests and notebooks).
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, /version, /metrics.
-With an API key every /v1 route needs `Authorization: Bearer <key>`. Every error is OpenAI's error object;
-invalid input is a 400 and changes nothing. The app owns its `AsyncLLM` and metrics from startup to
+With an API key every /v1 route needs `Authorization: Bearer <key>`. Every error is OpenAI's error object:
+invalid input is a 400 and changes nothing; an unexpected exception in a handler is a 500 with its message (and
+the server goes on). The app owns its `AsyncLLM` and metrics from startup to
 shutdown, which aborts what is still running.
 
 # Explained in chapters/13_serving.ipynb
@@ -68,6 +69,12 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_request: Request, exc: Exception):
+        # a bug: the client gets OpenAI's error object, Starlette then logs the traceback, and the server goes on
+        message = f"the server failed on this request: {type(exc).__name__}: {exc}"
+        return JSONResponse(error_body(500, message), status_code=500)
 
     @app.get("/health")
     async def health(request: Request):

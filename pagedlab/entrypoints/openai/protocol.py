@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI API, as pydantic models, and their translation into `SamplingParams`.
 
-A field pagedlab does not know is refused (400, naming it), never ignored. Fields it knows but does not
-implement are refused when their value would change the result (a non-zero presence penalty, `echo`,
-tools). vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`) are
-accepted as vLLM accepts them. Responses are plain dicts built by the serving modules.
+A field pagedlab does not know is refused (400, naming it), never ignored; so is text that is not valid
+Unicode. Fields it knows but does not implement are refused when their value would change the result (a
+non-zero presence penalty, `echo`, tools). vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`) are accepted as vLLM accepts them. Responses are plain dicts built by the
+serving modules.
 
 # Explained in chapters/13_serving.ipynb
 """
@@ -21,6 +22,30 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _valid_unicode(self):
+        for name in type(self).model_fields:
+            check_unicode(name, getattr(self, name))
+        return self
+
+
+def check_unicode(name: str, value: Any) -> None:
+    """Refuse a string that is not valid Unicode: JSON's "\\udfff" escape parses into a lone UTF-16 surrogate,
+    which no tokenizer can encode. Looks into lists and dicts; a nested model checks its own fields."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"{name} holds a lone surrogate U+{ord(value[error.start]):04X} at character "
+                             f"{error.start}, which is not valid Unicode text") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_unicode(name, item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(name, key)
+            check_unicode(name, item)
 
 
 class StreamOptions(OpenAIBaseModel):

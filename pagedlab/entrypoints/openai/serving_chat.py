@@ -50,7 +50,11 @@ class OpenAIServingChat(OpenAIServing):
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         except Exception as error:
             raise OpenAIError(400, f"the chat template refused the messages: {error}", "messages") from error
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        try:
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+        except Exception as error:
+            raise OpenAIError(400, f"the tokenizer refused the rendered messages: {error}", "messages") from error
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     async def _full(self, request: ChatCompletionRequest, request_id: str, stream) -> dict:
         texts, token_ids, logprobs, finish = {}, {}, {}, {}
