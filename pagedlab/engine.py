@@ -112,7 +112,10 @@ class LLMEngine:
         """Abort requests (all their samples or beams) wherever they are and free their blocks at once.
 
         Unknown or already finished ids are logged and skipped."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        many = isinstance(request_id, Iterable) and not isinstance(request_id, str)
+        ids = list(request_id) if many else [request_id]
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_id must be a string or an iterable of strings, got {request_id!r}")
         for group_id in ids:
             known = self.output_processor.abort(group_id) | (self.beam_search.remove(group_id) is not None)
             if not known:

@@ -168,6 +168,14 @@ def test_duplicate_request_id(engine):
     assert_still_serves(engine)
 
 
+@pytest.mark.parametrize("request_id", [5, [5], None])
+def test_ids_are_strings_in_abort_too(engine, request_id):
+    """issue 31: add_request refuses a non-string id; abort_request raised "'int' object is not iterable"."""
+    with pytest.raises(TypeError, match="request_id must be a string or an iterable of strings, got"):
+        engine.abort_request(request_id)
+    assert_still_serves(engine)
+
+
 def test_abort_unknown_id_is_a_logged_no_op(engine, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedlab"):
         engine.abort_request("never-added")
