@@ -152,10 +152,10 @@ class ChatByteTokenizer(ByteTokenizer):
 
     def __init__(self, vocab_size: int = 128) -> None:
         super().__init__(vocab_size)
-        self.render_threads: list[int] = []  # the thread of each apply_chat_template call
+        self.render_threads: list[str] = []  # the thread of each apply_chat_template call, by name
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True, tokenize: bool = False) -> str:
-        self.render_threads.append(threading.get_ident())
+        self.render_threads.append(threading.current_thread().name)
         text = "".join(self.chat_template.format(**message) for message in conversation)
         return text + ("assistant:" if add_generation_prompt else "")
 
@@ -168,13 +168,13 @@ class ChatByteTokenizer(ByteTokenizer):
         return super().encode(text)
 
 
-def tiny_server_engine(**config):
-    """An `LLMEngine` over the tiny llama and `ChatByteTokenizer`, for a fast server."""
+def tiny_server_engine(tokenizer=None, **config):
+    """An `LLMEngine` over the tiny llama and a `ChatByteTokenizer` (or `tokenizer`), for a fast server."""
     from pagedlab.config import EngineConfig
     from pagedlab.engine import LLMEngine
 
     config = dict(preemption_mode="recompute", num_kv_blocks=256, max_num_seqs=32, record_trace=False) | config
-    return LLMEngine(tiny_model(), ChatByteTokenizer(), EngineConfig(**config))
+    return LLMEngine(tiny_model(), tokenizer or ChatByteTokenizer(), EngineConfig(**config))
 
 
 FAIL_TOKEN = 666  # a prompt starting with this token fails in the engine (finish_reason "error")

@@ -1,18 +1,21 @@
 """Streams of `pagedlab serve` against OpenAI's contract, on a tiny random model: one finish chunk per choice
-with n > 1 (completions and chat), logprob offsets equal streamed or not, and the prompt's logprobs with `echo`.
+with n > 1 (completions and chat), logprob offsets equal streamed or not, and other streams going on while a
+chat template renders.
 
 The server runs in a background thread on a free 127.0.0.1 port and is driven by the official `openai` client.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections import Counter
 
 import openai
 import pytest
 
 from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
-from tests.helpers import tiny_server_engine
+from tests.helpers import ChatByteTokenizer, tiny_server_engine
 
 MODEL = "tiny"
 # A sampled token in 0-39 ends a sample: with n = 3 the choices finish at different steps.
@@ -65,3 +68,44 @@ def test_streamed_text_offsets_equal_the_full_ones_while_a_stop_string_holds_tex
     offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert len(full.text_offset) == 8 and offsets == full.text_offset
     assert full.text_offset == [sum(len(t) for t in full.tokens[:i]) for i in range(8)]
+
+
+class HeldTemplate(ChatByteTokenizer):
+    """Rendering a conversation whose last message is "hold" waits until `release` is set (20 s at most)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.released_in_time = None
+
+    def apply_chat_template(self, conversation, **kwargs) -> str:
+        if conversation[-1]["content"] == "hold":
+            self.entered.set()
+            self.released_in_time = self.release.wait(20)
+        return super().apply_chat_template(conversation, **kwargs)
+
+
+def test_other_streams_go_on_while_a_chat_template_renders():
+    """A big chat body takes a while to render and tokenize: that runs in a thread, so the event loop keeps
+    serving the other streams. Here the rendering waits until another stream has finished; on the event
+    loop it would wait in vain (and the stream only after it)."""
+    tokenizer = HeldTemplate()
+    with ServerThread(build_app(tiny_server_engine(tokenizer), MODEL)) as server:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        async def main():
+            held = asyncio.ensure_future(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hold"}], max_tokens=2))
+            assert await asyncio.to_thread(tokenizer.entered.wait, 20)
+            stream = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                                                     stream=True)
+            chunks = [chunk async for chunk in stream]
+            tokenizer.release.set()
+            answer = await held
+            await client.close()
+            return chunks, answer
+
+        chunks, answer = asyncio.run(asyncio.wait_for(main(), timeout=90))
+    assert tokenizer.released_in_time and answer.choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert tokenizer.render_threads and f"pagedlab-serve-{server.port}" not in tokenizer.render_threads

@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions: the conversation through the tokenizer's chat template (as `LLM.chat` does),
-then one engine request whose `n` samples are the choices.
+"""POST /v1/chat/completions: the conversation through the tokenizer's chat template (as `LLM.chat` does, in a
+thread: the event loop goes on serving), then one engine request whose `n` samples are the choices.
 
 Streamed, each choice opens with a chunk carrying `role: assistant`, then content deltas; the chunk with
 the last delta carries the finish reason; `stream_options.include_usage` adds a usage chunk; `data: [DONE]`
@@ -10,6 +10,7 @@ ends it. Leaving early aborts the request.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from pagedlab.entrypoints.openai.protocol import ChatCompletionRequest
@@ -29,7 +30,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         """The response body, or for `stream` an iterator of SSE lines. Bad input raises `OpenAIError`."""
         self.check_model(request.model)
-        prompt = self.render(request.conversation())
+        # rendering and tokenizing a big conversation takes a while: in a thread, so other streams go on
+        prompt = await asyncio.to_thread(self.render, request.conversation())
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, request.max_output_tokens, num_top)
         request_id = self.new_id("chatcmpl")
