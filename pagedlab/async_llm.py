@@ -150,6 +150,10 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     @property
+    def max_model_len(self) -> int | None:
+        return getattr(self.engine, "max_model_len", None)
+
+    @property
     def is_running(self) -> bool:
         return self.dead_error is None
 

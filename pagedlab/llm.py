@@ -54,7 +54,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; one `SamplingParams` for all, or one per prompt."""
+        """Generate for every prompt; one `SamplingParams` for all, or one per prompt.
+
+        A prompt plus `max_tokens` beyond `max_model_len` is not refused: its output stops at max_model_len, with
+        finish_reason "length" (`pagedlab serve` refuses such a request with a 400, as vLLM's server does)."""
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -64,3 +64,21 @@ def test_a_lone_surrogate_is_a_400_that_names_it(server, path, body):
     message = response.json()["error"]["message"]
     assert "lone surrogate U+DFFF" in message and "not valid Unicode" in message, message
     assert _post(server, path, body.replace(b" \\udfff", b"")).status_code == 200
+
+
+def test_a_prompt_plus_max_tokens_beyond_the_context_is_a_400_with_both_numbers(server, client):
+    """max_model_len is 512: a 500-token prompt may ask for 12 tokens, not 13 (vLLM and OpenAI refuse it too;
+    the offline LLM cuts the output at max_model_len instead)."""
+    prompt = [5] * 500
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=12).usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="max_model_len=512") as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=13)
+    assert "500 in the prompt" in str(refused.value) and "max_tokens=13" in str(refused.value)
+    with pytest.raises(openai.BadRequestError, match="505 in the prompt and max_tokens=8"):
+        client.completions.create(model=MODEL, prompt=["Hi", "x" * 505], max_tokens=8)  # text, the second prompt
+    content = "y" * 483  # and 17 characters of the template: "user: ...|assistant:"
+    with pytest.raises(openai.BadRequestError, match="500 in the messages and max_completion_tokens=13"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                       max_completion_tokens=13)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
+    assert answer.usage.completion_tokens == 12 and answer.choices[0].finish_reason == "length"

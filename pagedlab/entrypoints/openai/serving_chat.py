@@ -32,6 +32,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         # rendering and tokenizing a big conversation takes a while: in a thread, so other streams go on
         prompt = await asyncio.to_thread(self.render, request.conversation())
+        field = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+        self.check_context(prompt, request.max_output_tokens, "messages", field)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, request.max_output_tokens, num_top)
         request_id = self.new_id("chatcmpl")

@@ -30,8 +30,11 @@ class OpenAIServingCompletion(OpenAIServing):
         before anything is queued."""
         self.check_model(request.model)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        prompts = await self.tokenize(request.prompts())
+        for prompt in prompts:
+            self.check_context(prompt, request.max_tokens, "prompt")
         request_id = self.new_id("cmpl")
-        streams = await self.add_requests(request_id, request.prompts(), params)
+        streams = await self.add_requests(request_id, prompts, params)
         if request.stream:
             return self._stream(request, request_id, streams)
         try:

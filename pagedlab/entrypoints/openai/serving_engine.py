@@ -1,5 +1,6 @@
-"""What the completion and chat endpoints share: errors in OpenAI's shape, the model check, adding a
-request to `AsyncLLM` with bad input turned into a 400, Server-Sent Events, and logprobs in OpenAI's shape.
+"""What the completion and chat endpoints share: errors in OpenAI's shape, the model check, tokenizing text
+prompts and checking them against the context, adding a request to `AsyncLLM` with bad input turned into a
+400, Server-Sent Events, and logprobs in OpenAI's shape.
 
 An error is `{"error": {"message", "type", "param", "code"}}` with the HTTP status as OpenAI gives it: 400
 for input the engine refuses (its ValueError, whatever the check), 404 for an unknown model, 500 for a
@@ -76,6 +77,33 @@ class OpenAIServing:
             return request.sampling_params(max_tokens, logprobs)
         except ValueError as error:
             raise OpenAIError(400, str(error)) from error
+
+    async def tokenize(self, prompts: Sequence) -> list:
+        """Text prompts as {"prompt", "prompt_token_ids"}, tokenized in a thread (the event loop goes on) as the
+        engine would; other prompts as they are. Without a tokenizer the engine refuses text."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not any(isinstance(p, str) for p in prompts):
+            return list(prompts)
+
+        def tokenize_all() -> list:
+            return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else p
+                    for p in prompts]
+
+        try:
+            return await asyncio.to_thread(tokenize_all)
+        except Exception as error:
+            raise OpenAIError(400, f"the tokenizer refused the prompt: {error}", "prompt") from error
+
+    def check_context(self, prompt: dict, max_tokens: int | None, what: str, field: str = "max_tokens") -> None:
+        """Refuse a prompt plus `max_tokens` beyond max_model_len, as vLLM and OpenAI do (the engine would cut
+        the output there)."""
+        max_model_len, num_prompt = self.engine.max_model_len, len(prompt.get("prompt_token_ids") or ())
+        if max_tokens is None or max_model_len is None or num_prompt + max_tokens <= max_model_len:
+            return
+        raise OpenAIError(400, (
+            f"this model's maximum context length is max_model_len={max_model_len} tokens, but the request needs "
+            f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {field}={max_tokens} in the completion; "
+            f"shorten the {what} or lower {field}"), field)
 
     async def add_requests(self, request_id: str, prompts: Sequence, params) -> list[RequestStream]:
         """Add one engine request per prompt; if the engine refuses one, abort the others and raise a 400."""
