@@ -11,8 +11,11 @@ complete:
     after 'ã'     ' thank' + '\ufffd'   -> incomplete, wait
     after 'Ĭ'     ' thank' + 'あ'        -> emit 'あ', move both offsets on
 
-Stop strings are searched in the new text (once `min_tokens` tokens exist); text is cut before a match. While a
-stop string could still be forming, the last `len(longest stop) - 1` characters are held back from streams.
+A character that the prompt's last tokens begin and the output completes is output text. Stop strings are
+searched in the new text (once `min_tokens` tokens exist, the token that completes a match included, as vLLM);
+text is cut before a match. While a stop string could still be forming, the last `len(longest stop) - 1`
+characters are held back from streams. When the sequence finishes, tokens still held back (halves of characters)
+are decoded with U+FFFD, one at a time, so a stop string they complete ends the output at its token.
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
@@ -54,23 +57,38 @@ class IncrementalDetokenizer:
             self.tokens.append(token_id)
             if self._read(flush=False):
                 return self.stop_reason
-        if finished and self.read_offset < len(self.tokens) and self._read(flush=True):
-            return self.stop_reason
+        if finished:
+            return self._flush()
+        return None
+
+    def _flush(self) -> str | None:
+        """Decode the tokens still held back (halves of characters), one at a time, so that a stop string they
+        complete cuts the output at the token that completed it."""
+        pending = self.tokens[self.read_offset :]
+        del self.tokens[self.read_offset :]
+        for token_id in pending:
+            self.tokens.append(token_id)
+            if self._read(flush=True):
+                return self.stop_reason
         return None
 
     def _read(self, flush: bool) -> bool:
         """Turn complete new text into `text`; True if a stop string matched."""
         prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.tokens[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not flush):
-            return False  # nothing yet, or a character still split across tokens
+        if new_text.endswith("\ufffd") and not flush:
+            return False  # a character still split across tokens
+        # A character the prompt began (prefix_text ends in U+FFFD) and the new tokens complete is new text.
+        known = len(prefix_text) if new_text.startswith(prefix_text) else len(prefix_text.rstrip("\ufffd"))
+        if len(new_text) <= known:
+            return False  # nothing yet
         start = len(self.text)
-        self.text += new_text[len(prefix_text) :]
+        self.text += new_text[known:]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return self._check_stop(start)
 
     def _check_stop(self, start: int) -> bool:
-        if not self.stop or self.num_output_tokens <= self.min_tokens:
+        if not self.stop or self.num_output_tokens < self.min_tokens:
             return False
         for stop in self.stop:
             index = self.text.find(stop, max(0, start - len(stop) + 1))
