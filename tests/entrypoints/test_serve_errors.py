@@ -82,3 +82,11 @@ def test_a_prompt_plus_max_tokens_beyond_the_context_is_a_400_with_both_numbers(
                                        max_completion_tokens=13)
     answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
     assert answer.usage.completion_tokens == 12 and answer.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("value", [b"Infinity", b"NaN", b"1e999"])
+def test_an_infinite_or_nan_temperature_is_a_400(server, value):
+    """JSON parsers accept the literals Infinity and NaN (and 1e999 overflows to infinity); SamplingParams refuses
+    them, and the server answers 400 naming the field."""
+    response = _post(server, "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2, "temperature": ' + value + b"}")
+    assert response.status_code == 400 and "temperature" in response.json()["error"]["message"], response.text
