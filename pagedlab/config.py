@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedlab.checks import is_int, is_real, is_seed
+
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names (worker/kv_quant.py)
 from pagedlab.spec_decode.config import SpeculativeConfig  # noqa: E402
 
@@ -79,13 +81,41 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+        if not is_int(bs) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("tensor_parallel_size", 1)):
+            self._check_int(name, low)
+        for name, low in (("num_kv_blocks", 1), ("kv_cache_memory", 1), ("num_cpu_blocks", 0), ("max_model_len", 2),
+                          ("max_trace_steps", 1)):
+            self._check_int(name, low, optional=True)
+        self._check_number("gpu_memory_utilization", "in (0, 1]", lambda x: 0.0 < x <= 1.0)
+        self._check_number("swap_space", ">= 0 GiB", lambda x: x >= 0)
+        self._check_number("force_preemption_rate", "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
+        self._check_number("distributed_timeout", "> 0 seconds", lambda x: x > 0)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_partial_preemption",
+                     "calculate_kv_scales", "record_trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not is_seed(self.seed):
+            raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
+        self._check_choices()
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method 'draft_model' runs its draft in the engine's own process and "
+                             "does not combine with tensor_parallel_size > 1; use method 'ngram'")
+
+    def _check_int(self, name: str, low: int, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if not (optional and value is None) and (not is_int(value) or value < low):
+            raise ValueError(f"{name} must be an integer >= {low}{' or None' if optional else ''}, got {value!r}")
+
+    def _check_number(self, name: str, what: str, holds) -> None:
+        value = getattr(self, name)
+        if not is_real(value) or not holds(value):
+            raise ValueError(f"{name} must be a finite number {what}, got {value!r}")
+
+    def _check_choices(self) -> None:
+        """The fields that name one of a few settings."""
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
@@ -99,21 +129,3 @@ class EngineConfig:
             )
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'auto', 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if not 0.0 <= self.force_preemption_rate <= 1.0:
-            raise ValueError(f"force_preemption_rate must be in [0, 1], got {self.force_preemption_rate}")
-        if self.max_trace_steps is not None and self.max_trace_steps < 1:
-            raise ValueError(f"max_trace_steps must be >= 1 or None, got {self.max_trace_steps}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: method 'draft_model' runs its draft in the engine's own process and "
-                             "does not combine with tensor_parallel_size > 1; use method 'ngram'")
-        if not self.distributed_timeout > 0:
-            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")

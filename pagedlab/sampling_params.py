@@ -10,22 +10,12 @@ object can be shared by many requests.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pagedlab.checks import is_int, is_real, is_seed
+
 _GREEDY_EPS = 1e-5
-SEED_RANGE = (-(2**63), 2**64 - 1)  # the seeds torch.Generator.manual_seed takes
-
-
-def _is_int(value) -> bool:
-    """An int, not a bool (True would pass for 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class RequestOutputKind(enum.Enum):
@@ -88,30 +78,30 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not _is_real(self.temperature) or self.temperature < 0.0:
+        if not is_real(self.temperature) or self.temperature < 0.0:
             raise bad("temperature", "must be a finite number >= 0")
         if self.n > 1 and self.temperature < _GREEDY_EPS:
             raise bad("n", "> 1 needs temperature > 0: greedy samples would all be the same (use beam_search)")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be a number in [0, 1]")
         self._verify_seed()
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative integers")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0 or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind (e.g. RequestOutputKind.DELTA)")
@@ -120,8 +110,7 @@ class SamplingParams:
         """Sample i of n draws with seed + i: every one of them must be a seed the generator takes."""
         if self.seed is None:
             return
-        low, high = SEED_RANGE
-        if not _is_int(self.seed) or not low <= self.seed <= self.seed + self.n - 1 <= high:
+        if not is_seed(self.seed) or not is_seed(self.seed + self.n - 1):
             raise ValueError(
                 f"SamplingParams.seed must be an integer or None, and seed to seed + n - 1 (n={self.n}) within "
                 f"[-2**63, 2**64 - 1] (the seeds a torch generator takes), got {self.seed!r}"
@@ -144,11 +133,11 @@ class BeamSearchParams:
     early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.beam_width) or self.beam_width < 1:
+        if not is_int(self.beam_width) or self.beam_width < 1:
             raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.length_penalty):
+        if not is_real(self.length_penalty):
             raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(

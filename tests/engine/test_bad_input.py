@@ -153,10 +153,32 @@ def test_token_ids_that_are_not_integers_are_refused(engine, token_ids):
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(kv_cache_memory=0), "kv_cache_memory"),
+        # issue 31: types as well as ranges (these gave a torch error naming no field, or were accepted)
+        (dict(block_size=True), "block_size"),
+        (dict(num_kv_blocks=2.5), "num_kv_blocks"),
+        (dict(num_kv_blocks=0), "num_kv_blocks"),
+        (dict(num_cpu_blocks=2.0), "num_cpu_blocks"),
+        (dict(max_num_seqs=2.5), "max_num_seqs"),
+        (dict(max_num_seqs=float("nan")), "max_num_seqs"),
+        (dict(max_num_batched_tokens=True), "max_num_batched_tokens"),
+        (dict(max_model_len=100.0), "max_model_len"),
+        (dict(kv_cache_memory=1.5e6), "kv_cache_memory"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization"),
+        (dict(swap_space=float("nan")), "swap_space"),
+        (dict(swap_space="4"), "swap_space"),
+        (dict(force_preemption_rate=float("nan")), "force_preemption_rate"),
+        (dict(seed=None), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(max_trace_steps=1.5), "max_trace_steps"),
+        (dict(tensor_parallel_size=True), "tensor_parallel_size"),
+        (dict(distributed_timeout="30"), "distributed_timeout"),
+        (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+        (dict(record_trace=None), "record_trace"),
     ],
 )
 def test_invalid_engine_config_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^{field} must .*, got "):
         EngineConfig(**kwargs)
 
 
