@@ -37,15 +37,21 @@ class FinishedRequest:
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency: float  # arrival to the end of its last step
-    queue_time: float | None  # arrival to the start of the step that gave its first token (None: no token)
+    # Its phases (vLLM's), None without a token: queued from arrival to the start of the step that gave its first
+    # token, prefilling in that step, decoding from its end to its last token (they add up to e2e_latency).
+    queue_time: float | None
+    prefill_time: float | None = None
+    decode_time: float | None = None
 
 
 @dataclass
 class IterationStats:
-    """What one step did, as seen from outside the engine: pure data for the stat loggers."""
+    """What one step did (or, `is_step` False, an abort between steps), as seen from outside the engine: pure data
+    for the stat loggers."""
 
     step_start: float
     step_end: float
+    is_step: bool = True
     num_prompt_tokens: int = 0  # prompts of the requests that got their first token in this step
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
@@ -59,9 +65,19 @@ class _RequestState:
     stream: RequestStream
     arrival: float
     first_token_step_start: float | None = None
+    first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
     finish_reason: str | None = None  # of its first sample (a delta carries only the samples that changed)
+
+    def finished(self, finish_reason: str | None, now: float) -> FinishedRequest:
+        queue = prefill = decode = None
+        if self.first_token_time is not None:
+            queue = self.first_token_step_start - self.arrival
+            prefill = self.first_token_time - self.first_token_step_start
+            decode = self.last_token_time - self.first_token_time
+        return FinishedRequest(finish_reason, len(self.stream.prompt_token_ids or ()), self.num_generation_tokens,
+                               now - self.arrival, queue, prefill, decode)
 
 
 def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -91,6 +107,7 @@ class RequestStream:
     def __init__(self, request_id: str, owner: AsyncLLM) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] | None = None  # known from the first output on
+        self.num_cached_tokens = 0  # its prompt tokens found in the prefix cache, known from the first output on
         self._owner = owner
         self._pending: RequestOutput | Exception | None = None
         self._ready = asyncio.Event()
@@ -199,9 +216,8 @@ class AsyncLLM:
         state.stream.finished = True
         future = asyncio.get_running_loop().run_in_executor(self._executor, self._abort, request_id)
         now = time.monotonic()
-        finished = FinishedRequest("abort", len(state.stream.prompt_token_ids or ()), state.num_generation_tokens,
-                                   now - state.arrival, None)
-        future.add_done_callback(lambda f: self._log(IterationStats(now, now, finished=[finished])))
+        finished = state.finished("abort", now)
+        future.add_done_callback(lambda f: self._log(IterationStats(now, now, False, finished=[finished])))
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
@@ -280,9 +296,10 @@ class AsyncLLM:
             num_new = sum(len(c.token_ids) for c in output.outputs)
             if state.stream.prompt_token_ids is None:
                 state.stream.prompt_token_ids = list(output.prompt_token_ids)
+            state.stream.num_cached_tokens = output.num_cached_tokens or state.stream.num_cached_tokens
             if num_new:
                 if state.first_token_step_start is None:
-                    state.first_token_step_start = start
+                    state.first_token_step_start, state.first_token_time = start, end
                     iteration.time_to_first_tokens.append(end - state.arrival)
                     iteration.num_prompt_tokens += len(state.stream.prompt_token_ids or ())
                 else:
@@ -293,9 +310,7 @@ class AsyncLLM:
             state.finish_reason = next((c.finish_reason for c in output.outputs if c.index == 0), state.finish_reason)
             if output.finished:
                 del self._requests[output.request_id]
-                queue = None if state.first_token_step_start is None else state.first_token_step_start - state.arrival
-                iteration.finished.append(FinishedRequest(state.finish_reason, len(state.stream.prompt_token_ids or ()),
-                                                          state.num_generation_tokens, end - state.arrival, queue))
+                iteration.finished.append(state.finished(state.finish_reason, end))
             state.stream.put(output)
         return iteration
 

@@ -51,6 +51,7 @@ class RequestState:
     params: SamplingParams
     arrival_index: int
     sequences: dict[str, SequenceState] = field(default_factory=dict)  # core request id -> its state
+    num_cached_tokens: int | None = None  # its prompt tokens found in the prefix cache, once admitted
 
     @property
     def finished(self) -> bool:
@@ -111,6 +112,8 @@ class OutputProcessor:
             if state is None or u.group_id in failed or u.request_id not in state.sequences:
                 continue
             sequence = state.sequences[u.request_id]
+            if state.num_cached_tokens is None:
+                state.num_cached_tokens = u.num_cached_tokens
             try:
                 if self._apply(sequence, u, logprobs.get(u.request_id)):
                     stopped.append(u.request_id)
@@ -157,7 +160,8 @@ class OutputProcessor:
             CompletionOutput(s.index, s.text, list(s.token_ids), "error", error=message)
             for s in state.sequences.values()
         ]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
+                             state.num_cached_tokens)
 
     def abort(self, request_id: str) -> bool:
         state = self.requests.get(request_id)
@@ -178,7 +182,8 @@ class OutputProcessor:
                 return None
         else:
             completions = [self._completion(s, state.params) for s in state.sequences.values()]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.num_cached_tokens)
 
     @staticmethod
     def _completion(sequence: SequenceState, params: SamplingParams) -> CompletionOutput:

@@ -29,6 +29,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's name)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 `PrometheusStatLogger.record(stats, iteration)` is called by `AsyncLLM` after every step and abort: gauges
 take the engine's current state, counters grow by what the engine's cumulative counters grew, histograms
-get each request's latencies. Each logger owns its own `CollectorRegistry` (no global state), so several
-servers can live in one process. `render()` is the text `/metrics` serves.
+get each step's tokens and each finished request's tokens, latency and phases (queued, prefill, decode; the
+prefill is the step that gave the first token, exact when a prompt is prefilled in one step). Each logger
+owns its own `CollectorRegistry` (no global state), so several servers can live in one process. `render()`
+is the text `/metrics` serves.
 
 # Explained in chapters/13_serving.ipynb
 """
@@ -19,6 +21,19 @@ __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger", "parse_metrics"]
 # Seconds; CPU steps take tens to hundreds of milliseconds, GPU steps a few: both ends are covered.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for per-request token counts)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
 
 # Engine counter (cumulative in EngineStats) -> (metric attribute, label values)
 _COUNTED = {
@@ -38,7 +53,8 @@ class PrometheusStatLogger:
     """The server's metrics for one model. Metric names are vLLM's (`vllm:` -> `pagedlab:`) where vLLM has
     one; swap and partial-preemption counters are pagedlab's own."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, prefix: str = "pagedlab:") -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, prefix: str = "pagedlab:",
+                 max_model_len: int = 8192) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -70,6 +86,13 @@ class PrometheusStatLogger:
         self.recomputed_tokens = counter("recomputed_tokens", "Computed tokens dropped by recompute preemptions.")
         self.request_success = counter("request_success", "Finished requests, by finish reason of their first sample.",
                                        ("finished_reason",))
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens of each finished request.", token_buckets)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Prompt tokens of the requests that got their "
+                                          "first token, and generated tokens, per step.", _ITERATION_TOKEN_BUCKETS)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Between a request's token steps.",
                                              _ITL_BUCKETS)
@@ -79,6 +102,10 @@ class PrometheusStatLogger:
             "Arrival to the start of the step that gave the first token (exact for one-step prefills).",
             _LATENCY_BUCKETS,
         )
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "The step that gave the first token.",
+                                              _LATENCY_BUCKETS)
+        self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token.",
+                                             _LATENCY_BUCKETS)
         self._last: dict[str, int] = {}
         for mode in ("recompute", "swap", "partial"):  # every labelled series shows from the start, at 0
             self.num_preemptions.labels(model_name, mode)
@@ -105,6 +132,8 @@ class PrometheusStatLogger:
             return
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
+        if iteration.is_step:
+            self.iteration_tokens.observe(iteration.num_prompt_tokens + iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
             self.time_to_first_token.observe(value)
         for value in iteration.inter_token_latencies:
@@ -112,8 +141,12 @@ class PrometheusStatLogger:
         for finished in iteration.finished:
             self.request_success.labels(self.model_name, str(finished.finish_reason)).inc()
             self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
             if finished.queue_time is not None:
                 self.request_queue_time.observe(finished.queue_time)
+                self.request_prefill_time.observe(finished.prefill_time)
+                self.request_decode_time.observe(finished.decode_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

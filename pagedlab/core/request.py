@@ -78,6 +78,7 @@ class Request:
         self.beam_width = beam_width  # > 0 for beam search: the engine's beam step picks its tokens
         self.forked = False  # set once the n - 1 other samples have been forked from this one
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hits at its first admission (vLLM's name)
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop token id that ended it, if one did
@@ -139,6 +140,7 @@ class Request:
         child.output_token_ids = list(self.output_token_ids)
         child.prompt_block_hashes = self.prompt_block_hashes
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
         child.forked = True
         return child
 

@@ -135,6 +135,7 @@ class SequenceUpdate:
     new_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int | None = None  # its prompt tokens found in the prefix cache (known once admitted)
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,8 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
                 break
             self.waiting.popleft()
             self.kv_cache_manager.record_prefix_query(request.num_tokens, len(hits))
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.num_computed_tokens
             request.status = RUNNING
             bisect.insort(self.running, request, key=Request.order.fget)
             self._admit(request, num_new_tokens, allocation, step)
@@ -310,7 +312,7 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         freed = self.finish_requests([sequence.request_id], status)[1] if status is not None else []
         updates.append(SequenceUpdate(
             sequence.request_id, sequence.group_id, (token_id,), status.finish_reason if status else None,
-            sequence.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
+            sequence.stop_reason if status == RequestStatus.FINISHED_STOPPED else None, sequence.num_cached_tokens,
         ))
         return freed
 

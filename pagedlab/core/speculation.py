@@ -114,6 +114,6 @@ class SpeculativeScheduling:
             freed += self.finish_requests([request.request_id], status)[1]
         updates.append(SequenceUpdate(
             request.request_id, request.group_id, tuple(appended), status.finish_reason if status else None,
-            request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
+            request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None, request.num_cached_tokens,
         ))
         return freed, rollback

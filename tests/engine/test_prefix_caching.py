@@ -62,6 +62,18 @@ def test_same_prompt_twice_leaves_the_last_token_to_compute(model):
     assert engine.trace[-5].scheduled[0].num_computed_tokens == 12
 
 
+def test_outputs_carry_the_cached_tokens_of_their_first_admission(model):
+    """RequestOutput.num_cached_tokens (vLLM's field): the prompt tokens found in the cache, for every sample."""
+    prompt = {"prompt_token_ids": random_prompts([14])[0]}
+    engine = engine_for(model, True)
+    counts = []
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, prompt, SamplingParams(n=2, temperature=1.0, max_tokens=3))
+        while engine.has_unfinished_requests():
+            counts += [(o.request_id, o.num_cached_tokens) for o in engine.step()]
+    assert set(counts) == {("a", 0), ("b", 12)}
+
+
 def test_caching_on_equals_off_under_eviction_pressure(model):
     """A pool so small that cached blocks are evicted (and requests preempted) all the time."""
     prompts = [SYSTEM + q for q in QUESTIONS] * 2

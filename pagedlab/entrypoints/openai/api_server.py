@@ -1,10 +1,10 @@
 """The FastAPI app of `pagedlab serve`, and ways to run it: in the foreground (`run_server`) or in a
 background thread on a free loopback port (`ServerThread`, for tests and notebooks).
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, /version, /metrics.
-With an API key every /v1 route needs `Authorization: Bearer <key>`. Every error is OpenAI's error object:
-invalid input is a 400 and changes nothing; an unexpected exception in a handler is a 500 with its message (and
-the server goes on). The app owns its `AsyncLLM` and metrics from startup to
+Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions, GET /health,
+/version, /metrics. With an API key every /v1 route needs `Authorization: Bearer <key>`. Every error is
+OpenAI's error object: invalid input is a 400 and changes nothing; an unexpected exception in a handler is a
+500 with its message (and the server goes on). The app owns its `AsyncLLM` and metrics from startup to
 shutdown, which aborts what is still running.
 
 # Explained in chapters/13_serving.ipynb
@@ -41,7 +41,7 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        metrics = PrometheusStatLogger(model_name)
+        metrics = PrometheusStatLogger(model_name, max_model_len=getattr(engine, "max_model_len", None) or 8192)
         async_llm = AsyncLLM(engine, [metrics])
         metrics.record(async_llm.stats)
         app.state.metrics, app.state.async_llm = metrics, async_llm
@@ -53,7 +53,6 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             await async_llm.shutdown()
 
     app = FastAPI(title="pagedlab", version=pagedlab.__version__, lifespan=lifespan)
-    created = int(time.time())
 
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -90,11 +89,17 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     async def metrics(request: Request):
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedlab",
+            "root": model_name, "max_model_len": getattr(engine, "max_model_len", None)}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedlab",
-                "root": model_name, "max_model_len": getattr(engine, "max_model_len", None)}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        request.app.state.completion.check_model(model_id)  # a 404 for any other id
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         num_output = sum(len(t) for t in token_ids.values())
         return {
             "id": request_id, "object": "chat.completion", "created": self.created(), "model": self.model_name,
-            "choices": choices, "usage": usage(len(stream.prompt_token_ids or ()), num_output),
+            "choices": choices, "usage": usage([stream], num_output),
         }
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int], logprobs: list) -> dict | None:
@@ -105,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
                                                    "logprobs": self._logprobs(request, c.token_ids, c.logprobs or []),
                                                    "finish_reason": c.finish_reason}]})
             if request.include_usage:
-                yield sse(head | {"choices": [], "usage": usage(len(stream.prompt_token_ids or ()), num_output)})
+                yield sse(head | {"choices": [], "usage": usage([stream], num_output)})
         except Exception as error:
             yield sse(engine_error(error).body())
         finally:

@@ -65,11 +65,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 choice_logprobs = self.completion_logprobs(token_ids[k], logprobs[k], request.logprobs, 0)
             choices.append({"index": k, "text": text, "logprobs": choice_logprobs, "finish_reason": finish[k]})
-        num_prompt = sum(len(s.prompt_token_ids or ()) for s in streams)
         num_output = sum(len(t) for t in token_ids)
         return {
             "id": request_id, "object": "text_completion", "created": self.created(), "model": self.model_name,
-            "choices": choices, "usage": usage(num_prompt, num_output),
+            "choices": choices, "usage": usage(streams, num_output),
         }
 
     async def _stream(self, request: CompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
@@ -92,8 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(head | {"choices": [{"index": k, "text": c.text, "logprobs": choice_logprobs,
                                                    "finish_reason": c.finish_reason}]})
             if request.include_usage:
-                num_prompt = sum(len(s.prompt_token_ids or ()) for s in streams)
-                yield sse(head | {"choices": [], "usage": usage(num_prompt, num_output)})
+                yield sse(head | {"choices": [], "usage": usage(streams, num_output)})
         except Exception as error:
             yield sse(engine_error(error).body())
         finally:

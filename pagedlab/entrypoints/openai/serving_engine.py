@@ -158,8 +158,12 @@ class OpenAIServing:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def usage(num_prompt: int, num_output: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+def usage(streams: Sequence[RequestStream], num_output: int) -> dict:
+    """OpenAI's usage of the call's requests: their prompt tokens (of which found in the prefix cache) and the
+    tokens generated."""
+    num_prompt = sum(len(s.prompt_token_ids or ()) for s in streams)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in streams)}}
 
 
 def close_all(streams: Sequence[RequestStream]) -> None:

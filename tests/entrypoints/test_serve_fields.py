@@ -1,0 +1,82 @@
+"""OpenAI's standard fields and vLLM's metrics on `pagedlab serve`, on a tiny random model: GET /v1/models/{id},
+`usage.prompt_tokens_details.cached_tokens`, the request histograms under `pagedlab:`, `logit_bias` and `echo`.
+
+The server runs in a background thread on a free 127.0.0.1 port (with prefix caching, blocks of 4 tokens) and
+is driven by the official `openai` client.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
+from pagedlab.prometheus import parse_metrics
+from tests.helpers import tiny_server_engine
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = tiny_server_engine(enable_prefix_caching=True, block_size=4)
+    with ServerThread(build_app(engine, MODEL)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_model_by_id_and_an_unknown_one(client):
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "pagedlab"
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist") as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["type"] == "not_found_error" and missing.value.body["param"] == "model"
+
+
+def test_usage_counts_the_prefix_cache_hits_as_cached_tokens(client):
+    """A 14-token prompt in blocks of 4: the second time, its first 3 blocks (12 tokens) are cached."""
+    prompt = list(range(1, 15))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 12 and again.usage.prompt_tokens == 14
+    twice = client.completions.create(model=MODEL, prompt=[prompt, prompt[:9]], max_tokens=2)
+    assert twice.usage.prompt_tokens_details.cached_tokens == 12 + 8
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 12
+    messages = [{"role": "user", "content": "What is the capital of France?"}]  # 47 tokens with the template
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens == 47 and chat.usage.prompt_tokens_details.cached_tokens == 44
+
+
+def _metrics(server) -> dict[str, float]:
+    samples = parse_metrics(httpx.get(f"{server.url}/metrics").text)
+    return {k.replace('{model_name="tiny"}', ""): v for k, v in samples.items()}
+
+
+def test_metrics_of_vllms_dashboards(client, server):
+    """One request of 6 prompt tokens and 4 generated, alone on the server: vLLM's token histograms and its
+    request phases, which add up to the end-to-end latency."""
+    before = _metrics(server)
+    client.completions.create(model=MODEL, prompt=[7, 8, 9, 10, 11, 12], max_tokens=4)
+    after = _metrics(server)
+    grown = {name: after[name] - before.get(name, 0.0) for name in after}
+    for name in ("request_prompt_tokens", "request_generation_tokens", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert grown[f"pagedlab:{name}_count"] == 1, name
+    assert grown["pagedlab:request_prompt_tokens_sum"] == 6 and grown["pagedlab:request_generation_tokens_sum"] == 4
+    assert grown['pagedlab:request_prompt_tokens_bucket{le="5.0",model_name="tiny"}'] == 0
+    assert grown['pagedlab:request_prompt_tokens_bucket{le="10.0",model_name="tiny"}'] == 1
+    assert grown["pagedlab:iteration_tokens_total_count"] == 4  # steps
+    assert grown["pagedlab:iteration_tokens_total_sum"] == 6 + 4
+    phases = sum(grown[f"pagedlab:request_{name}_time_seconds_sum"] for name in ("queue", "prefill", "decode"))
+    assert phases == pytest.approx(grown["pagedlab:e2e_request_latency_seconds_sum"], rel=1e-6, abs=1e-6)
+    assert grown["pagedlab:request_decode_time_seconds_sum"] > 0
