@@ -105,6 +105,9 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer >= 0 or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind (e.g. RequestOutputKind.DELTA)")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be True or False")
 
     def _verify_seed(self) -> None:
         """Sample i of n draws with seed + i: every one of them must be a seed the generator takes."""
@@ -139,7 +142,9 @@ class BeamSearchParams:
             raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_real(self.length_penalty):
             raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
-        if self.early_stopping not in (True, False, "never"):
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"BeamSearchParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(
                 f"BeamSearchParams.early_stopping must be True, False or 'never', got {self.early_stopping!r}"
             )

@@ -109,6 +109,8 @@ def test_max_model_len_beyond_the_kv_cache_is_rejected_at_start():
         (dict(top_k=True), "top_k"),
         (dict(stop_token_ids=[True]), "stop_token_ids"),
         (dict(output_kind="delta"), "output_kind"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(skip_special_tokens=None), "skip_special_tokens"),
     ],
 )
 def test_invalid_sampling_values_name_the_field(kwargs, field):

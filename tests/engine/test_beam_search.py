@@ -122,7 +122,9 @@ def test_beam_search_survives_preemption(model):
      # issue 31: these raised a TypeError inside step(), after the model ran, at every step (NaN was accepted)
      *[(dict(beam_width=2, max_tokens=4, length_penalty=v), "length_penalty")
        for v in (None, "1.0", float("nan"), float("inf"), True)],
-     (dict(beam_width=True, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=True), "max_tokens")],
+     (dict(beam_width=True, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=True), "max_tokens"),
+     (dict(beam_width=2, max_tokens=4, ignore_eos=1), "ignore_eos"),
+     (dict(beam_width=2, max_tokens=4, early_stopping=1), "early_stopping")],
 )
 def test_invalid_beam_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"BeamSearchParams\.{field}"):
