@@ -10,12 +10,22 @@ object can be shared by many requests.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pagedlab.checks import is_int, is_real, is_seed
 
 _GREEDY_EPS = 1e-5
+
+
+def _as_tuple(name: str, value) -> tuple:
+    """A tuple field from None or any iterable (vLLM takes lists); anything else is refused by name."""
+    if value is None:
+        return ()
+    if not isinstance(value, Iterable):
+        raise ValueError(f"SamplingParams.{name} must be a sequence, got {value!r}")
+    return tuple(value)
 
 
 class RequestOutputKind(enum.Enum):
@@ -63,13 +73,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence for the tuple fields, as vLLM does.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", _as_tuple("stop", stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._verify()

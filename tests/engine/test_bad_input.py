@@ -110,6 +110,8 @@ def test_max_model_len_beyond_the_kv_cache_is_rejected_at_start():
         (dict(stop_token_ids=[True]), "stop_token_ids"),
         (dict(output_kind="delta"), "output_kind"),
         (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(stop=123), "stop"),
+        (dict(stop_token_ids=5), "stop_token_ids"),
         (dict(skip_special_tokens=None), "skip_special_tokens"),
     ],
 )
