@@ -97,6 +97,11 @@ class InputProcessor:
             raise ValueError(
                 f"SamplingParams stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"SamplingParams.logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(
                 f"SamplingParams.logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"

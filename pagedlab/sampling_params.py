@@ -52,6 +52,9 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (kept in `token_ids`, like EOS).
     ignore_eos: keep generating past the end-of-sequence token.
     logprobs: return the log-probabilities of this many most likely tokens (plus the chosen one) per step.
+    prompt_logprobs: the same for every prompt token after the first (`RequestOutput.prompt_logprobs`); such a
+        request computes its whole prompt (no prefix-cache hits), as in vLLM.
+    logit_bias: {token_id: bias} added to the logits before sampling, each bias in [-100, 100] (OpenAI's).
     skip_special_tokens: leave special tokens out of the returned text.
     output_kind: what `LLMEngine.step()` reports for the request (`LLM.generate` asks for FINAL_ONLY).
     """
@@ -68,6 +71,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -109,6 +114,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must hold non-negative integers")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0 or None")
+        self._verify_logit_bias()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind (e.g. RequestOutputKind.DELTA)")
         for name in ("ignore_eos", "skip_special_tokens"):
@@ -124,6 +132,16 @@ class SamplingParams:
                 f"SamplingParams.seed must be an integer or None, and seed to seed + n - 1 (n={self.n}) within "
                 f"[-2**63, 2**64 - 1] (the seeds a torch generator takes), got {self.seed!r}"
             )
+
+    def _verify_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or any(not is_int(t) or t < 0 for t in bias):
+            raise ValueError(f"SamplingParams.logit_bias must map token ids (integers >= 0) to biases, got {bias!r}")
+        bad = {t: b for t, b in bias.items() if not is_real(b) or not -100 <= b <= 100}
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {bad!r}")
 
     @property
     def greedy(self) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlab.core.sched_output import SamplingRequest
-from pagedlab.worker.sampler import Sampler, filtered_probs
+from pagedlab.worker.sampler import Sampler, apply_logit_bias, filtered_probs
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ def verify(
         starts.append(start)
         start += len(drafts) + 1
         banned_any |= bool(target.banned_token_ids)
-    if banned_any:
+    if banned_any or any(target.params.logit_bias for _, target in rows):
         logits = logits.clone()
+        apply_logit_bias(logits, [target.params for drafts, target in rows for _ in range(len(drafts) + 1)])
         for start, (drafts, target) in zip(starts, rows):
             for i in range(min(target.num_banned_positions, len(drafts) + 1) if target.banned_token_ids else 0):
                 logits[start + i, list(target.banned_token_ids)] = -float("inf")

@@ -1,10 +1,12 @@
 """Turn each request's next-token logits into a token, by its own `SamplingParams`.
 
-Greedy rows take the argmax. Random rows divide by the temperature, apply top-k, top-p and min-p, and draw
-with the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling from p. Each seeded request
-draws its E from its own `torch.Generator`, so its tokens do not depend on what else is in the batch;
-unseeded requests share the sampler's generator (seeded from the engine's seed, so runs are reproducible).
-Log-probabilities, when asked for, are those of the raw model distribution (before temperature), as vLLM's.
+A request's `logit_bias` is added to its row first; tokens it may not yet end with (EOS and stop ids before
+min_tokens) are then set to -inf. Greedy rows take the argmax. Random rows divide by the temperature, apply
+top-k, top-p and min-p, and draw with the exponential race (argmax of p / E with E ~ Exp(1)), which equals
+sampling from p. Each seeded request draws its E from its own `torch.Generator`, so its tokens do not depend
+on what else is in the batch; unseeded requests share the sampler's generator (seeded from the engine's seed,
+so runs are reproducible). Log-probabilities, when asked for, are those of the raw model distribution (before
+the bias and the temperature), as vLLM's.
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
@@ -59,6 +61,7 @@ class Sampler:
         logits = logits.float()
         asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw = torch.log_softmax(logits[asked], dim=-1) if asked else None  # the model's own, before any ban
+        apply_logit_bias(logits, [row.params for row in rows])
         banned = [i for i, row in enumerate(rows) if row.banned_token_ids]
         if banned:
             for i in banned:
@@ -81,6 +84,14 @@ class Sampler:
                 entry[token_list[i]] = raw[j, token_list[i]].item()
                 logprobs[i] = entry
         return SamplerOutput(token_list, logprobs)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each row's `logit_bias` to its logits, in place. logits: [len(params), vocab_size]."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            token_ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, token_ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

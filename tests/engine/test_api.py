@@ -101,6 +101,37 @@ def test_logprobs(tiny_llm):
         assert max(entry.values()) == entry[token] <= 0.0
 
 
+def test_logit_bias_moves_the_choice_and_its_values_are_checked(tiny_llm):
+    prompt = {"prompt_token_ids": random_prompts([7])[0]}
+    greedy = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    biased = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logit_bias={77: 100}),
+                               use_tqdm=False)[0].outputs[0]
+    assert biased.token_ids == [77] * 4 != greedy.token_ids
+    avoided = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=0,
+                                                       logit_bias={greedy.token_ids[0]: -100}), use_tqdm=False)
+    first = avoided[0].outputs[0]
+    assert first.token_ids[0] != greedy.token_ids[0]
+    assert first.logprobs[0][first.token_ids[0]] < 0  # logprobs stay the model's own, before the bias
+    sampled = tiny_llm.generate(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=8, logit_bias={5: 100}),
+                                use_tqdm=False)[0].outputs[0]
+    assert sampled.token_ids == [5] * 8
+    for bias, message in [({5: 100.5}, r"in \[-100, 100\]"), ({-1: 1.0}, "token ids"), ({5: float("inf")}, "numbers")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(logit_bias=bias)
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[128\] are outside the vocabulary"):
+        tiny_llm.generate(prompt, SamplingParams(logit_bias={128: 1.0}), use_tqdm=False)
+
+
+def test_logit_bias_holds_in_verified_drafts():
+    """N-gram drafts are verified with the same biased logits as one token at a time draws from."""
+    prompt = {"prompt_token_ids": [77, 77, 77, 3, 77, 77]}
+    params = SamplingParams(temperature=0, max_tokens=8, logit_bias={77: 100})
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=64, speculative_config=ngram)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == [77] * 8
+    assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+
+
 def test_step_engine_streams_and_aborts():
     engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=64))
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5))

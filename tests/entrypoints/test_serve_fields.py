@@ -80,3 +80,26 @@ def test_metrics_of_vllms_dashboards(client, server):
     phases = sum(grown[f"pagedlab:request_{name}_time_seconds_sum"] for name in ("queue", "prefill", "decode"))
     assert phases == pytest.approx(grown["pagedlab:e2e_request_latency_seconds_sum"], rel=1e-6, abs=1e-6)
     assert grown["pagedlab:request_decode_time_seconds_sum"] > 0
+
+
+def test_logit_bias_picks_the_biased_token(client):
+    """Token 77 is "m" in the byte tokenizer: a bias of 100 makes greedy choose it every time."""
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                           logit_bias={"77": 100})
+    assert completion.choices[0].text == "mmmm"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={"77": 100, "78": -100})
+    assert chat.choices[0].message.content == "mmm"
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({"128": 1}, r"logit_bias token ids \[128\] are outside the vocabulary"),
+    ({"5": 101}, r"logit_bias values must be numbers in \[-100, 100\]"),
+    ({"five": 1}, r"logit_bias keys must be token ids"),
+    ({"-3": 1}, r"logit_bias must map token ids \(integers >= 0\)"),
+])
+def test_a_bad_logit_bias_is_a_400_naming_the_problem(client, bias, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logit_bias=bias)
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], logit_bias=bias)

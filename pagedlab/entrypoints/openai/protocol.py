@@ -2,8 +2,9 @@
 
 A field pagedlab does not know is refused (400, naming it), never ignored; so is text that is not valid
 Unicode. Fields it knows but does not implement are refused when their value would change the result (a
-non-zero presence penalty, `echo`, tools). vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`) are accepted as vLLM accepts them. Responses are plain dicts built by the
+non-zero presence penalty, `suffix`, tools). vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`) are accepted as vLLM accepts them. `logit_bias` maps token ids (JSON's string
+keys) to biases in [-100, 100]. Responses are plain dicts built by the
 serving modules.
 
 # Explained in chapters/13_serving.ipynb
@@ -69,7 +70,7 @@ class _SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias}, JSON's keys being strings
     user: str | None = None  # accepted and ignored: it does not change the result
     # vLLM's extra sampling fields
     top_k: int | None = None
@@ -84,19 +85,23 @@ class _SamplingRequest(OpenAIBaseModel):
             raise _refuse("presence_penalty (non-zero)")
         if self.frequency_penalty != 0.0:
             raise _refuse("frequency_penalty (non-zero)")
-        if self.logit_bias:
-            raise _refuse("logit_bias")
+        bad = [key for key in self.logit_bias or () if not key.strip().lstrip("-").isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids (integers), got {bad[:5]}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's settings for this request (SamplingParams checks the values and names the field)."""
+        logit_bias = {int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
         )
 
     @property

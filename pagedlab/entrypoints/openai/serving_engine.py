@@ -71,10 +71,10 @@ class OpenAIServing:
         return int(time.time())
 
     @staticmethod
-    def sampling_params(request, max_tokens: int | None, logprobs: int | None):
+    def sampling_params(request, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None):
         """The request's `SamplingParams`; a value the engine refuses is a 400 naming it."""
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as error:
             raise OpenAIError(400, str(error)) from error
 
