@@ -82,7 +82,8 @@ class _RequestState:
 
 def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """Two consecutive DELTA outputs of one request as one: texts, token ids and logprobs concatenated per
-    sample; the newer finish state wins. Used when the consumer is slower than the steps."""
+    sample; the newer finish state wins; the prompt's logprobs (sent once) are kept. Used when the consumer is
+    slower than the steps."""
     by_index = {c.index: c for c in old.outputs}
     merged = []
     for c in new.outputs:
@@ -95,7 +96,7 @@ def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
                                           logprobs=logprobs))
     merged.extend(by_index.values())
     merged.sort(key=lambda c: c.index)
-    return dataclasses.replace(new, outputs=merged)
+    return dataclasses.replace(new, outputs=merged, prompt_logprobs=old.prompt_logprobs or new.prompt_logprobs)
 
 
 class RequestStream:

@@ -52,6 +52,19 @@ class RequestState:
     arrival_index: int
     sequences: dict[str, SequenceState] = field(default_factory=dict)  # core request id -> its state
     num_cached_tokens: int | None = None  # its prompt tokens found in the prefix cache, once admitted
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as its prompt's chunks are computed
+    prompt_logprobs_sent: bool = False  # for DELTA outputs
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, first_position: int, entries) -> None:
+        """The logprobs of the prompt tokens from `first_position` on; a chunk computed again (after a
+        preemption) changes none that are known."""
+        for position, entry in enumerate(entries, start=first_position):
+            if self.prompt_logprobs[position] is None:
+                self.prompt_logprobs[position] = entry
 
     @property
     def finished(self) -> bool:
@@ -103,6 +116,7 @@ class OutputProcessor:
         the core must finish."""
         for parent, child in output.scheduler_output.forked:
             self.fork(parent, child)
+        self._add_prompt_logprobs(output)
         update, logprobs = output.update, output.runner_output.logprobs
         changed: dict[str, RequestState] = {}
         stopped: list[str] = []
@@ -133,6 +147,13 @@ class OutputProcessor:
             if output is not None:
                 outputs.append(output)
         return outputs, stopped, [g for g in failed if g not in dict(update.failed)]
+
+    def _add_prompt_logprobs(self, output: EngineCoreOutput) -> None:
+        computed = output.runner_output.prompt_logprobs
+        for scheduled in output.scheduler_output.scheduled if computed else ():
+            state = self.requests.get(self._group_of.get(scheduled.request_id, ""))
+            if state is not None and scheduled.request_id in computed:
+                state.add_prompt_logprobs(scheduled.num_computed_tokens + 1, computed[scheduled.request_id])
 
     def _apply(self, sequence: SequenceState, update: SequenceUpdate, logprobs) -> bool:
         """Add the step's tokens to one sequence; True if a stop string finished it. `logprobs`: one dict per
@@ -182,8 +203,12 @@ class OutputProcessor:
                 return None
         else:
             completions = [self._completion(s, state.params) for s in state.sequences.values()]
+        prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
+        if kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent:
+            prompt_logprobs = None  # a delta carries them once
+        state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             state.num_cached_tokens)
+                             state.num_cached_tokens, prompt_logprobs)
 
     @staticmethod
     def _completion(sequence: SequenceState, params: SamplingParams) -> CompletionOutput:

@@ -30,6 +30,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's name)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token_id: logprob} (vLLM's);
+    # a DELTA output carries them once, in the request's first output
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)

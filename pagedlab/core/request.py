@@ -113,6 +113,11 @@ class Request:
         return self.beam_width > 0
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt tokens' logprobs are asked for and not all computed yet (they are, once it has a token)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def needs_fork(self) -> bool:
         """True for the first sample of an n > 1 request until its prompt is done and the others fork."""
         return self.sampling_params.n > 1 and not self.forked

@@ -33,6 +33,16 @@ class SamplingRequest:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsRequest:
+    """Score the prompt tokens a chunk predicts (vLLM's prompt_logprobs): row i of the chunk gives the
+    log-probability of `token_ids[i]`, the prompt token at position num_computed_tokens + 1 + i, and of the top
+    `num_logprobs` tokens."""
+
+    num_logprobs: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One sequence's share of a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
     whose ids are `token_ids`, through the block table `block_ids`; then, if the step reaches its newest token,
@@ -51,6 +61,7 @@ class ScheduledRequest:
     block_ids: tuple[int, ...] = ()
     sampling: tuple[SamplingRequest, ...] = ()
     num_spec_tokens: int = 0
+    prompt_logprobs: PromptLogprobsRequest | None = None
 
     @property
     def spec_token_ids(self) -> tuple[int, ...]:
@@ -108,12 +119,14 @@ class ModelRunnerOutput:
     `sampled_token_ids`: each sequence that drew, its new tokens in one shape: one token, or (speculative
     decoding) the accepted drafts followed by the token drawn after them. `logprobs`: for the sequences that asked,
     one {token_id: logprob} per new token. `beam_logprobs`: each beam sequence's next-token log-probabilities (a
-    [vocab_size] tensor), for the beam step. `errors`: the groups whose processing raised, with the message."""
+    [vocab_size] tensor), for the beam step. `errors`: the groups whose processing raised, with the message.
+    `prompt_logprobs`: for the chunks that asked, one {token_id: logprob} per prompt token they predict."""
 
     sampled_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     logprobs: dict[str, tuple[dict[int, float], ...]] = field(default_factory=dict)
     beam_logprobs: dict[str, Any] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[dict[int, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

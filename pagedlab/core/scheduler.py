@@ -104,12 +104,13 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
             self._schedule_group(group, step, may_preempt=False)
 
         # 3. Waiting sequences, first come first served, unless this step had to preempt or requests are still
-        #    swapped out. With prefix caching a sequence starts from its longest cached prefix.
+        #    swapped out. With prefix caching a sequence starts from its longest cached prefix (unless it needs
+        #    its prompt's logprobs: then it computes every prompt token, as in vLLM).
         while not (step.preempted or step.stalled or self.swapped) and self.waiting and step.budget > 0:
             request = self.waiting[0]
             if self.num_running_seqs + self.seats_to_run([request]) > self.config.max_num_seqs:
                 break
-            hits = self.kv_cache_manager.get_computed_blocks(
+            hits = [] if request.needs_prompt_logprobs else self.kv_cache_manager.get_computed_blocks(
                 request.token_ids(0, request.num_tokens), request.cache_salt, request.prompt_block_hashes
             )
             request.num_computed_tokens = len(hits) * self.kv_cache_manager.block_size

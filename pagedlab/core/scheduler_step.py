@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from pagedlab.core.kv_cache_manager import Allocation
 from pagedlab.core.preemption import Preemption
 from pagedlab.core.request import Request
-from pagedlab.core.sched_output import Move, SamplingRequest, ScheduledRequest, SchedulerOutput
+from pagedlab.core.sched_output import (
+    Move,
+    PromptLogprobsRequest,
+    SamplingRequest,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 def sampling_request(request: Request) -> SamplingRequest:
@@ -28,6 +34,15 @@ def sampling_request(request: Request) -> SamplingRequest:
         eos = () if params.ignore_eos else tuple(sorted(request.eos_token_ids))
         banned = eos + params.stop_token_ids
     return SamplingRequest(request.request_id, params, banned, request.is_beam, max(num_banned_positions, 0))
+
+
+def prompt_logprobs_request(request: Request, start: int, stop: int) -> PromptLogprobsRequest | None:
+    """The prompt tokens that computing [start, stop) predicts, if the sequence needs their logprobs."""
+    last = min(stop, request.num_prompt_tokens - 1)  # the row at position p predicts prompt token p + 1
+    if not request.needs_prompt_logprobs or start >= last:
+        return None
+    return PromptLogprobsRequest(request.sampling_params.prompt_logprobs,
+                                 tuple(request.prompt_token_ids[start + 1 : last + 1]))
 
 
 class StepBuilder:
@@ -64,7 +79,7 @@ class StepBuilder:
         self.forked += [(request.request_id, child.request_id) for child in forks]
         self.scheduled.append(ScheduledRequest(
             request.request_id, start, num_new_tokens, request.group_id, tuple(request.token_ids(start, stop)),
-            tuple(block_ids), sampling,
+            tuple(block_ids), sampling, prompt_logprobs=prompt_logprobs_request(request, start, stop),
         ))
         if allocation.new_block_ids:
             self.allocated.append((request.request_id, allocation.new_block_ids))

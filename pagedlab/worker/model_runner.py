@@ -2,7 +2,8 @@
 
 The runner flattens the step's `ScheduledRequest`s into one ragged row (decodes first, then prefill chunks),
 builds the attention metadata once, calls the model with pagedlab's attention selected for that call only,
-keeps the logits of the rows that sample, and hands them to the sampler. It reads only the step's data (token
+keeps the logits of the rows that sample, and hands them to the sampler (and, for the chunks that ask for their
+prompt's logprobs, keeps every row they score). It reads only the step's data (token
 ids, block tables, how to sample), owns the KV cache tensor, and keeps no other state but the sampler's.
 
 # Explained in chapters/05_continuous_batching.ipynb
@@ -24,7 +25,7 @@ from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
 from pagedlab.worker.kv_quant import KVScales, is_quantized
 from pagedlab.worker.rejection_sampler import verify
-from pagedlab.worker.sampler import Sampler, SamplerOutput
+from pagedlab.worker.sampler import Sampler, SamplerOutput, logprob_entries
 
 
 @contextlib.contextmanager
@@ -126,7 +127,9 @@ class ModelRunner:
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> ModelRunnerOutput:
         """Compute the step: draw a token for each sampling target; beam sequences get their next-token
         log-probabilities instead, for the beam step to choose from; sequences with drafts have them verified."""
-        input_ids, positions, sample_rows, metadata = self._prepare(scheduled)
+        input_ids, positions, sample_rows, metadata, first_rows = self._prepare(scheduled)
+        scored = [(s, first_rows[i]) for i, s in enumerate(scheduled) if s.prompt_logprobs is not None]
+        prompt_rows = [row + j for s, row in scored for j in range(len(s.prompt_logprobs.token_ids))]
         targets = [target for s in scheduled for target in s.sampling]
         verified = {s.request_id: s for s in scheduled if s.num_spec_tokens}
         to_verify, verify_rows = [], []
@@ -141,13 +144,15 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.decode_graphs.run(input_ids, positions, metadata) if self.decode_graphs else None
             if logits is not None:
-                logits = logits[sample_rows]  # a recorded decode step
+                logits = logits[sample_rows + prompt_rows]  # a recorded decode step (it has no drafts)
             else:
                 context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend, self.kv_scales)
-                keep = torch.tensor(sample_rows + verify_rows, dtype=torch.long, device=self.device)
+                keep = torch.tensor(sample_rows + verify_rows + prompt_rows, dtype=torch.long, device=self.device)
                 logits = self._forward(input_ids, positions, context, keep)
-                if verify_rows:
-                    logits, verify_logits = logits[: len(sample_rows)], logits[len(sample_rows) :]
+            if prompt_rows:
+                logits, prompt_logits = logits[: -len(prompt_rows)], logits[-len(prompt_rows) :]
+            if verify_rows:
+                logits, verify_logits = logits[: len(sample_rows)], logits[len(sample_rows) :]
             sampled_rows = [i for i, target in enumerate(targets) if not target.is_beam]
             beam_rows = [i for i, target in enumerate(targets) if target.is_beam]
             sampling = [targets[i] for i in sampled_rows]
@@ -155,6 +160,7 @@ class ModelRunner:
             beam_logprobs = torch.log_softmax(logits[beam_rows].float(), dim=-1) if beam_rows else None
             checks = verify(verify_logits, [(verified[t.request_id].spec_token_ids, t) for t, _ in to_verify],
                             self.sampler) if to_verify else []
+            prompt_logprobs = _prompt_logprobs(prompt_logits, [s for s, _ in scored]) if scored else {}
         sampled = {target.request_id: (token_id,) for target, token_id in zip(sampling, out.token_ids)}
         logprobs = {t.request_id: (lp,) for t, lp in zip(sampling, out.logprobs) if lp is not None}
         beams = {targets[i].request_id: beam_logprobs[j] for j, i in enumerate(beam_rows)}
@@ -163,19 +169,20 @@ class ModelRunner:
             sampled[target.request_id] = (*drafts, check.token_id)
             if check.logprobs is not None:
                 logprobs[target.request_id] = tuple(check.logprobs)
-        return ModelRunnerOutput(sampled, logprobs, beams)
+        return ModelRunnerOutput(sampled, logprobs, beams, prompt_logprobs=prompt_logprobs)
 
     def logits(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
         """The model's logits for every row of one batch, without sampling (teacher-forced scoring): [rows, vocab]
         in the batch's row order (decodes first, then prefill chunks)."""
-        input_ids, positions, _, metadata = self._prepare(scheduled)
+        input_ids, positions, _, metadata, _ = self._prepare(scheduled)
         context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend, self.kv_scales)
         keep = torch.arange(len(input_ids), device=self.device)
         with torch.inference_mode():
             return self._forward(input_ids, positions, context, keep)
 
     def _prepare(self, scheduled: Sequence[ScheduledRequest]):
-        """The flat batch: token ids, positions, the rows that sample, and attention metadata.
+        """The flat batch: token ids, positions, the rows that sample, attention metadata, and each sequence's
+        first row.
 
         The rows are ordered for attention: decodes first, longest context first (so that its length buckets
         are runs of rows), then prefill chunks. `sample_rows` stays in the scheduler's order (one entry per
@@ -216,9 +223,23 @@ class ModelRunner:
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
             prefills=prefills,
         )
+        first_rows = [last_row[i] - s.num_new_tokens + 1 for i, s in enumerate(scheduled)]
         return (
             torch.tensor(input_ids, device=device),
             torch.tensor(positions, device=device),
             sample_rows,
             metadata,
+            first_rows,
         )
+
+
+def _prompt_logprobs(logits: torch.Tensor, scored: list[ScheduledRequest]) -> dict[str, tuple[dict[int, float], ...]]:
+    """Each chunk's prompt-token logprobs from its scored rows. logits: [sum of the chunks' scored rows, vocab]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    out, start = {}, 0
+    for s in scored:
+        asked = s.prompt_logprobs
+        rows = logprobs[start : start + len(asked.token_ids)]
+        out[s.request_id] = tuple(logprob_entries(rows, asked.token_ids, asked.num_logprobs))
+        start += len(asked.token_ids)
+    return out

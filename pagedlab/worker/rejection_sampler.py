@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlab.core.sched_output import SamplingRequest
-from pagedlab.worker.sampler import Sampler, apply_logit_bias, filtered_probs
+from pagedlab.worker.sampler import Sampler, apply_logit_bias, filtered_probs, logprob_entries
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,4 @@ def _logprobs(raw: torch.Tensor, start: int, emitted: list[int], target: Samplin
     n = target.params.logprobs
     if n is None:
         return None
-    rows = torch.log_softmax(raw[start : start + len(emitted)], dim=-1)
-    out = []
-    for i, token in enumerate(emitted):
-        top = rows[i].topk(n) if n else None
-        entry = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-        entry[token] = rows[i, token].item()
-        out.append(entry)
-    return out
+    return logprob_entries(torch.log_softmax(raw[start : start + len(emitted)], dim=-1), emitted, n)

@@ -13,6 +13,7 @@ the bias and the temperature), as vLLM's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,13 +78,23 @@ class Sampler:
             token_ids[index] = (probs / noise).argmax(dim=-1)
         token_list = token_ids.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
-        if asked:
-            for j, i in enumerate(asked):
-                top = raw[j].topk(rows[i].params.logprobs) if rows[i].params.logprobs else None
-                entry = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-                entry[token_list[i]] = raw[j, token_list[i]].item()
-                logprobs[i] = entry
+        for j, i in enumerate(asked):
+            (logprobs[i],) = logprob_entries(raw[j : j + 1], [token_list[i]], rows[i].params.logprobs)
         return SamplerOutput(token_list, logprobs)
+
+
+def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[dict[int, float]]:
+    """One {token_id: logprob} per row: its `num_top` likeliest tokens and its own token (the chosen or the
+    prompt's). logprobs: [len(token_ids), vocab_size], log-softmaxed."""
+    top = logprobs.topk(num_top) if num_top else None
+    index = torch.tensor(list(token_ids), device=logprobs.device)[:, None]
+    own = logprobs.gather(1, index)[:, 0].tolist()
+    entries = []
+    for i, token_id in enumerate(token_ids):
+        entry = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
+        entry[token_id] = own[i]
+        entries.append(entry)
+    return entries
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -122,6 +122,7 @@ class Worker:
             merged.sampled_token_ids.update(one.sampled_token_ids)
             merged.logprobs.update(one.logprobs)
             merged.beam_logprobs.update(one.beam_logprobs)
+            merged.prompt_logprobs.update(one.prompt_logprobs)
         alive = {s.request_id for s in output.scheduled if s.group_id not in errors}
         alive |= {t.request_id for s in output.scheduled if s.group_id not in errors for t in s.sampling}
         return ModelRunnerOutput(
@@ -129,6 +130,7 @@ class Worker:
             {r: v for r, v in merged.logprobs.items() if r in alive},
             {r: v for r, v in merged.beam_logprobs.items() if r in alive},
             errors,
+            {r: v for r, v in merged.prompt_logprobs.items() if r in alive},
         )
 
     def _move_blocks(self, output: SchedulerOutput) -> None:

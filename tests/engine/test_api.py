@@ -132,6 +132,30 @@ def test_logit_bias_holds_in_verified_drafts():
     assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("config", [{}, {"enable_chunked_prefill": True, "max_num_batched_tokens": 5},
+                                    {"enable_prefix_caching": True}], ids=["one-step", "chunked", "prefix-caching"])
+def test_prompt_logprobs_equal_hugging_faces_log_softmax(config):
+    """vLLM's prompt_logprobs: None for the first token, then each prompt token's log-probability given those
+    before it, with the top ones; every sample and every request gets them, cached prefix or not."""
+    model = tiny_model()
+    prompt = random_prompts([13])[0]
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    llm = LLM(model, block_size=4, num_kv_blocks=64, **config)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=3, prompt_logprobs=2)
+    for _ in range(2):  # the second time, with prefix caching, the prompt's blocks are cached
+        output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+        for i, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            top = expected[i - 1].topk(2).indices.tolist()
+            assert set(entry) == {*top, prompt[i]}
+            assert entry[prompt[i]] == pytest.approx(expected[i - 1, prompt[i]].item(), abs=1e-4)
+    no_logprobs = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert no_logprobs.prompt_logprobs is None
+    if config.get("enable_prefix_caching"):
+        assert no_logprobs.num_cached_tokens == 12  # the cache was there: prompt_logprobs skip it
+
+
 def test_step_engine_streams_and_aborts():
     engine = LLMEngine(tiny_model(), None, EngineConfig(block_size=4, num_kv_blocks=64))
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5))

@@ -10,10 +10,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 
 from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
 from pagedlab.prometheus import parse_metrics
-from tests.helpers import tiny_server_engine
+from tests.helpers import tiny_model, tiny_server_engine
 
 MODEL = "tiny"
 
@@ -103,3 +104,32 @@ def test_a_bad_logit_bias_is_a_400_naming_the_problem(client, bias, message):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logit_bias=bias)
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], logit_bias=bias)
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(client):
+    """The prompt tokens' logprobs are Hugging Face's log_softmax of the same model's logits (None for the
+    first token); then come the generated tokens', as without echo. Streamed or not, the same."""
+    prompt, prompt_ids = "Hello", [ord(c) - 32 for c in "Hello"]  # the byte tokenizer's ids
+    with torch.inference_mode():
+        expected = torch.log_softmax(tiny_model()(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    request = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+    plain = client.completions.create(**request).choices[0]
+    full = client.completions.create(echo=True, **request)
+    echoed = full.choices[0]
+    assert echoed.text == prompt + plain.text and full.usage.completion_tokens == 3
+    logprobs = echoed.logprobs
+    assert logprobs.tokens == list(prompt) + plain.logprobs.tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:5] == pytest.approx([expected[i - 1, prompt_ids[i]].item() for i in range(1, 5)],
+                                                         abs=1e-4)
+    for i, top in enumerate(logprobs.top_logprobs[1:5], start=1):  # the top 2 and the prompt's own token
+        assert prompt[i] in top and len(top) in (2, 3)
+    assert logprobs.token_logprobs[5:] == pytest.approx(plain.logprobs.token_logprobs)
+    assert logprobs.text_offset == list(range(8))
+    chunks = list(client.completions.create(echo=True, stream=True, **request))
+    assert "".join(c.choices[0].text for c in chunks) == echoed.text
+    streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:])
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == logprobs.text_offset
+    samples = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, n=2, seed=1, echo=True)
+    assert [c.text[:5] for c in samples.choices] == [prompt, prompt] and samples.choices[0].logprobs is None

@@ -115,14 +115,12 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt before each choice's text (with logprobs: the prompt tokens' too)
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if self.echo:
-            raise _refuse("echo")
         if self.suffix:
             raise _refuse("suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -1,4 +1,6 @@
 """POST /v1/completions: one engine request per prompt, its `n` samples as choices `prompt * n + sample`.
+With `echo` each choice starts with its prompt (and, with `logprobs`, the prompt tokens' logprobs: vLLM's
+`prompt_logprobs`, None for the first token).
 
 Streamed, each delta of each sample is a `text_completion` chunk; with `stream_options.include_usage` a last
 chunk carries the usage; `data: [DONE]` ends the stream. Not streamed, the deltas are joined into one
@@ -9,6 +11,7 @@ response. Either way, leaving early (a client that went away) aborts every engin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from pagedlab.entrypoints.openai.protocol import CompletionRequest
@@ -22,6 +25,7 @@ from pagedlab.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
+from pagedlab.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -29,7 +33,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response body, or for `stream` an iterator of SSE lines. Bad input raises `OpenAIError` (400)
         before anything is queued."""
         self.check_model(request.model)
-        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        prompt_logprobs = request.logprobs if request.echo else None
+        params = self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
         prompts = await self.tokenize(request.prompts())
         for prompt in prompts:
             self.check_context(prompt, request.max_tokens, "prompt")
@@ -48,11 +53,14 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids: list[list[int]] = [[] for _ in texts]
         logprobs: list[list] = [[] for _ in texts]
         finish = [None] * len(texts)
+        echo, num_output = Echo(self, request.echo), 0
         try:
             async for i, output in merge_streams(streams):
                 raise_if_failed(output)
                 for c in output.outputs:
                     k = i * n + c.index
+                    num_output += len(c.token_ids)
+                    c = echo.before_first(k, i, output, c)
                     texts[k] += c.text
                     token_ids[k] += c.token_ids
                     logprobs[k] += c.logprobs or []
@@ -65,7 +73,6 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 choice_logprobs = self.completion_logprobs(token_ids[k], logprobs[k], request.logprobs, 0)
             choices.append({"index": k, "text": text, "logprobs": choice_logprobs, "finish_reason": finish[k]})
-        num_output = sum(len(t) for t in token_ids)
         return {
             "id": request_id, "object": "text_completion", "created": self.created(), "model": self.model_name,
             "choices": choices, "usage": usage(streams, num_output),
@@ -76,18 +83,20 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets = [0] * (len(streams) * n)
         num_output = 0
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        echo = Echo(self, request.echo)
         try:
             async for i, output in merge_streams(streams):
                 raise_if_failed(output)
                 for c in output.outputs:
                     k = i * n + c.index
+                    num_output += len(c.token_ids)
+                    c = echo.before_first(k, i, output, c)
                     choice_logprobs = None
                     if request.logprobs is not None:
                         choice_logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
                                                                    offsets[k])
                         # the tokens' texts, as the full response counts them (a stop string may hold text back)
                         offsets[k] += sum(len(token) for token in choice_logprobs["tokens"])
-                    num_output += len(c.token_ids)
                     yield sse(head | {"choices": [{"index": k, "text": c.text, "logprobs": choice_logprobs,
                                                    "finish_reason": c.finish_reason}]})
             if request.include_usage:
@@ -98,3 +107,32 @@ class OpenAIServingCompletion(OpenAIServing):
             close_all(streams)
         yield SSE_DONE
 
+
+
+class Echo:
+    """`echo`: each choice's first delta gets its prompt in front, as a delta of its own would be (the prompt's
+    text, its token ids, and the logprobs of its tokens when they were asked for)."""
+
+    def __init__(self, serving: OpenAIServingCompletion, enabled: bool) -> None:
+        self.serving, self.enabled = serving, enabled
+        self.prompts: dict[int, CompletionOutput] = {}  # prompt index -> its prompt as a delta
+        self.echoed: set[int] = set()  # choices whose prompt went out
+
+    def before_first(self, choice: int, prompt_index: int, output: RequestOutput,
+                     delta: CompletionOutput) -> CompletionOutput:
+        if not self.enabled or choice in self.echoed:
+            return delta
+        self.echoed.add(choice)
+        if prompt_index not in self.prompts:  # a request's first output carries its prompt's logprobs
+            self.prompts[prompt_index] = CompletionOutput(0, self.prompt_text(output), list(output.prompt_token_ids),
+                                                          logprobs=output.prompt_logprobs)
+        prompt = self.prompts[prompt_index]
+        logprobs = None if delta.logprobs is None else list(prompt.logprobs or ()) + delta.logprobs
+        return dataclasses.replace(delta, text=prompt.text + delta.text, token_ids=prompt.token_ids + delta.token_ids,
+                                   logprobs=logprobs)
+
+    def prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        tokenizer = self.serving.engine.tokenizer
+        return tokenizer.decode(output.prompt_token_ids) if tokenizer is not None else ""

@@ -137,11 +137,15 @@ class OpenAIServing:
         for token_id, entry in zip(token_ids, logprobs):
             token = self.token_text(token_id)
             out["tokens"].append(token)
+            out["text_offset"].append(text_offset)
+            text_offset += len(token)
+            if entry is None:  # an echoed prompt's first token: nothing before it predicts it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             out["token_logprobs"].append(entry.get(token_id))
             top = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
             out["top_logprobs"].append({self.token_text(t): lp for t, lp in top} | {token: entry.get(token_id)})
-            out["text_offset"].append(text_offset)
-            text_offset += len(token)
         return out
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict:
