@@ -2,12 +2,12 @@
 
 The core sees token ids only. For every user request, `OutputProcessor` keeps a `RequestState` (vLLM's name)
 holding what the user sees: one `SequenceState` per sample, each with its tokens, its incremental detokenizer
-and its logprobs. Each step it takes the core's output (samples forked, tokens appended with their logprobs,
-sequences finished or failed), detokenizes, checks stop strings, and returns the `RequestOutput`s of the
-requests that changed, as their output kind asks: everything so far (CUMULATIVE), only what is new (DELTA: the
-samples with new tokens or text, or with a finish not yet reported, each reported finished once), or once at the
-end (FINAL_ONLY). Sequences that hit a stop string are returned too: the engine tells the core to
-finish them.
+and its logprobs (and the request's prompt logprobs and prefix-cache hits). Each step it takes the core's
+output (samples forked, tokens appended with their logprobs, prompt logprobs, sequences finished or failed),
+detokenizes, checks stop strings, and returns the `RequestOutput`s of the requests that changed, as their
+output kind asks: everything so far (CUMULATIVE), only what is new (DELTA: the samples with new tokens or text,
+or with a finish not yet reported, each reported finished once), or once at the end (FINAL_ONLY). Sequences
+that hit a stop string are returned too: the engine tells the core to finish them.
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
