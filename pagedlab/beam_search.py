@@ -22,6 +22,7 @@ going until max_tokens); pagedlab follows Hugging Face so that the two can be co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,16 @@ import torch
 from pagedlab.core.sched_output import BeamDecision, ModelRunnerOutput, SchedulerOutput, UpdateOutput
 from pagedlab.outputs import CompletionOutput, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams
+
+
+def length_normalized(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """Hugging Face's score, cum_logprob / length ** length_penalty, in floats; where length ** length_penalty
+    leaves the float range (an extreme penalty), the score is its limit: -0.0 or -inf, not an OverflowError."""
+    try:
+        scale = float(length) ** length_penalty  # a float base: an int penalty of 2**64 is no huge integer power
+    except OverflowError:
+        scale = math.inf
+    return cum_logprob / scale if scale else -math.inf
 
 
 @dataclass(frozen=True)
@@ -128,7 +139,7 @@ class BeamGroup:
         if continuations and len(self.finished) == k:
             longest = self.params.early_stopping == "never" and self.params.length_penalty > 0
             best_length = self.max_tokens if longest else length
-            best_possible = continuations[0].cum_logprob / best_length**self.params.length_penalty
+            best_possible = length_normalized(continuations[0].cum_logprob, best_length, self.params.length_penalty)
             self.improvable = self.improvable and best_possible > min(h.score for h in self.finished)
         full = self.params.early_stopping is True and len(self.finished) == k
         done = all_end or not self.improvable or full
@@ -137,7 +148,7 @@ class BeamGroup:
 
     def _add_hypothesis(self, token_ids: tuple[int, ...], cum_logprob: float, length: int, eos: bool) -> None:
         k = self.params.beam_width
-        score = cum_logprob / length**self.params.length_penalty
+        score = length_normalized(cum_logprob, length, self.params.length_penalty)
         self.finished.append(Hypothesis(token_ids, cum_logprob, score, "stop" if eos else "length"))
         self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties, as with HF's topk
         del self.finished[k:]

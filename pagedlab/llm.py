@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from pagedlab.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedlab.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, length_normalized
 from pagedlab.engine import LLMEngine
 from pagedlab.inputs import PromptType
 from pagedlab.outputs import EngineStats, RequestOutput
@@ -152,7 +152,7 @@ def _beam_sequence(output: RequestOutput, c, params: BeamSearchParams) -> BeamSe
     """One hypothesis of a finished beam search (or its error, when the request failed)."""
     if c.finish_reason == "error":
         return BeamSearchSequence(list(output.prompt_token_ids), "", None, None, "error", c.error)
-    score = c.cumulative_logprob / len(c.token_ids) ** params.length_penalty
+    score = length_normalized(c.cumulative_logprob, len(c.token_ids), params.length_penalty)
     return BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, score,
                               c.finish_reason)
 

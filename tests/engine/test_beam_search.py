@@ -140,3 +140,15 @@ def test_beam_search_with_prefix_caching(model):
     assert ours(llm, prompts, params)[0] == expected
     assert ours(llm, prompts, params)[0] == expected
     assert llm.stats().prefix_cache_hits >= 4 * 4 + 2 * 4
+
+
+@pytest.mark.parametrize("length_penalty", [1e300, -1e300, 2**64])
+def test_an_extreme_length_penalty_scores_without_overflow(length_penalty):
+    """length ** length_penalty beyond the float range: the score is its limit (0 or -inf), not an OverflowError
+    inside step() (2**64, an int, made Python compute a huge integer power)."""
+    model = tiny_model("llama")
+    model.config.eos_token_id = model.generation_config.eos_token_id = 53  # some beams end early
+    llm = LLM(model, block_size=4, num_kv_blocks=64)
+    params = BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=length_penalty)
+    [output] = llm.beam_search([{"prompt_token_ids": p} for p in random_prompts([5])], params)
+    assert len(output.sequences) == 2 and all(s.finish_reason != "error" for s in output.sequences)
