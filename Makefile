@@ -35,8 +35,12 @@ lab: install
 CHROMIUM := $(or $(PAGEDLAB_CHROMIUM),$(shell command -v chromium || command -v chromium-browser))
 NBVAL    := $(if $(CHROMIUM),,$(wildcard chapters/*.ipynb) --nbval-lax --nbval-sanitize-with chapters/sanitize.cfg)
 
+# Tests run in JOBS processes (pytest-xdist; as many as cores, at most 4: each holds torch and its models), grouped
+# by file and longest first (tests/conftest.py); JOBS=0 runs them in this one process.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+
 test: install
-	$(PY) -m pytest tests $(NBVAL) --durations=15
+	$(PY) -m pytest tests $(NBVAL) -n $(JOBS) --dist loadgroup --durations=15
 
 # The lint gate (ruff, rules in pyproject.toml); CI runs it before the tests.
 lint: install
