@@ -72,7 +72,7 @@ def drive(
     pending = in_order(events, clock)
     outputs, now = {}, 0.0
     while True:
-        next_step = engine.scheduler.stats.num_steps + 1
+        next_step = engine.num_steps + 1
         if clock is not None and pending and not engine.has_unfinished_requests():
             now = max(now, pending[0].arrival_s)  # idle until the next arrival
         while pending and (pending[0].step <= next_step if clock is None else pending[0].arrival_s <= now):

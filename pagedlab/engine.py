@@ -64,6 +64,7 @@ class LLMEngine:
     swap_space = property(lambda self: self.engine_core.swap_space)
     trace = property(lambda self: self.engine_core.trace)
     proposer = property(lambda self: self.engine_core.proposer)
+    num_steps = property(lambda self: self.engine_core.num_steps)
     # the device side
     model_runner = property(lambda self: self.worker.model_runner)
     cost_model = property(lambda self: self.worker.info.cost_model)

@@ -119,6 +119,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def num_steps(self) -> int:
+        """Steps scheduled so far (the next step's number is one more)."""
+        return self.scheduler.stats.num_steps
+
     # -- one step -------------------------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutput:

@@ -90,6 +90,7 @@ class SimEngine:
     scheduler = property(lambda self: self.engine_core.scheduler)
     kv_cache_manager = property(lambda self: self.engine_core.kv_cache_manager)
     swap_space = property(lambda self: self.engine_core.swap_space)
+    num_steps = property(lambda self: self.engine_core.num_steps)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams) -> str:
         """Queue a request as `LLMEngine.add_request` does, after the same checks (token-id prompts only)."""
