@@ -102,10 +102,12 @@ class InputProcessor:
             raise ValueError(
                 f"SamplingParams.logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(
-                f"SamplingParams.logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is more than the vocabulary's {self.vocab_size} tokens"
+                )
 
 
 def _token_ids(values) -> list[int]:

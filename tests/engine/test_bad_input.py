@@ -129,11 +129,14 @@ def test_seeds_the_generator_takes_are_accepted(engine):
     assert_still_serves(engine)
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("logprobs", [129, 1000])
-def test_more_logprobs_than_the_vocabulary_is_refused(engine, logprobs):
-    with pytest.raises(ValueError, match=rf"SamplingParams\.logprobs={logprobs} is more than the vocabulary"):
-        engine.add_request("bad", [1, 2, 3], SamplingParams(logprobs=logprobs))
-    engine.add_request("all", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2, logprobs=128))
+def test_more_logprobs_than_the_vocabulary_is_refused(engine, field, logprobs):
+    """issue 31 (prompt_logprobs: found by the interleavings fuzzer): the step failed with 'selected index k out of
+    range'."""
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}={logprobs} is more than the vocabulary"):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(**{field: logprobs}))
+    engine.add_request("all", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2, **{field: 128}))
     while engine.has_unfinished_requests():
         engine.step()
     assert_still_serves(engine)
