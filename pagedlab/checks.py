@@ -15,8 +15,13 @@ def is_int(value) -> bool:
 
 
 def is_real(value) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float, not a bool (an int beyond the float range is not finite either)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # float(10**400)
+        return False
 
 
 def is_seed(value) -> bool:

@@ -84,6 +84,8 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._verify()
+        for name in ("temperature", "top_p", "min_p"):  # an int such as 2**63 would overflow a tensor of int64
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     def _verify(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -166,6 +168,7 @@ class BeamSearchParams:
             raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_real(self.length_penalty):
             raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
+        object.__setattr__(self, "length_penalty", float(self.length_penalty))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"BeamSearchParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):

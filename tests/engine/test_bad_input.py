@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from pagedlab import LLM, LLMEngine, SamplingParams
+from pagedlab import LLM, BeamSearchParams, LLMEngine, SamplingParams
 from pagedlab.config import EngineConfig
 from tests.helpers import tiny_model
 
@@ -118,6 +118,25 @@ def test_max_model_len_beyond_the_kv_cache_is_rejected_at_start():
 def test_invalid_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "length_penalty"])
+def test_an_int_beyond_the_float_range_is_refused_by_name(field):
+    cls = BeamSearchParams if field == "length_penalty" else SamplingParams
+    kwargs = dict(beam_width=2, max_tokens=2) if cls is BeamSearchParams else {}
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field} must be a (finite )?number"):
+        cls(**kwargs, **{field: 10**400})  # float(10**400) raises OverflowError
+
+
+def test_a_huge_int_temperature_samples_as_a_float(engine):
+    """temperature=2**63 (found by the interleavings fuzzer): the sampler's tensor of temperatures overflowed int64
+    ('Overflow when unpacking long long') and the request failed."""
+    params = SamplingParams(temperature=2**63, seed=0, max_tokens=3)
+    assert isinstance(params.temperature, float)
+    engine.add_request("hot", [1, 2, 3], params)
+    while engine.has_unfinished_requests():
+        assert all(c.finish_reason != "error" for o in engine.step() for c in o.outputs)
+    assert_still_serves(engine)
 
 
 def test_seeds_the_generator_takes_are_accepted(engine):
