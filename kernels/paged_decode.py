@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # keys per tile (half that for float32 head dims over 128: see decode_constants)
+BLOCK_N = 64  # keys per tile (fewer for rows of 512 bytes or more: see decode_constants)
 PARTITION_SIZE = 512  # keys per split-K partition (a multiple of BLOCK_N)
 
 
@@ -278,12 +278,23 @@ def decode_constants(
     (tests/kernels/test_kernels_compile.py, `pagedlab.kernels.aot_grid` calls this function) with 4 warps, float32
     tiles whose key rows are 512 bytes (BLOCK_D 128) spilled registers in some variants, and 64 float32 keys
     of 256 dims needed 152 KB of shared memory, more than an L4's 99 KB: so 8 warps from 512 bytes a row, and
-    32 keys above that. A float8 cache's tiles are dequantised into float32 beside the float8 ones loaded (5 bytes
+    32 keys from there. A float8 cache's tiles are dequantised into float32 beside the float8 ones loaded (5 bytes
     a value, `kv_tile_bytes`): at head dim 256 they spilled or overflowed an L4's shared memory until cut to 16
-    keys, with 4 warps (8 capped the registers at 128 and spilled)."""
+    keys, with 4 warps (8 capped the registers at 128 and spilled).
+
+    Rows of 512 bytes (float32 head dims 80-128, 16-bit 256) take 32 keys, not 64 (issue 31). The register
+    budget: 8 warps are 256 threads, and an SM's 65,536 registers hold three such programs at 80 registers a
+    thread or fewer, two at 128. 64 keys of 512-byte K and V rows are 2 * 64 * 512 / 4 / 256 = 64 registers a
+    thread, and with the query, the accumulator and the addresses ptxas needed a few more than 80: it stored a
+    register before the key loop and reloaded it after (8-16 bytes of local memory; 13 of 224 float32 variants
+    of head dims 96 and 128 on sm_80) to stay at 80. That bought nothing: such a program's 65-78 KB of shared
+    memory let only two run on an A100 anyway. With 32 keys K and V are 32 registers (39-80 in all) and 33-43 KB,
+    so twice as many programs fit an SM: as many K/V bytes in flight, every key still read once (decode reads
+    its context once whatever the tile), in twice as many loop steps, each cheap. No spill in the 624 float32
+    and 168 16-bit variants of these rows compiled (decode and split-K, the three targets)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     row_bytes = block_d * kv_tile_bytes(dtype, kv_fp8)
-    block_n = BLOCK_N if row_bytes <= 512 else BLOCK_N // 2 if row_bytes <= 1024 else BLOCK_N // 4
+    block_n = BLOCK_N if row_bytes < 512 else BLOCK_N // 2 if row_bytes <= 1024 else BLOCK_N // 4
     constants = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d, BLOCK_N=block_n,

@@ -43,13 +43,30 @@ from .paged_decode import (
 def tile_sizes(dtype: torch.dtype, block_d: int, kv_fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M query rows, BLOCK_N keys, warps) per tile: smaller for float32, whose exact ("ieee") dot runs
     on FMA units, not tensor cores, and with 64 x 64 tiles needs 115 KB of shared memory (and 10 s to compile).
-    Compiled for sm_80/89/90 (tests/kernels/test_kernels_compile.py) with 4 warps, tiles whose head rows are 256
-    bytes or more (16-bit BLOCK_D 128, float32 64) spilled registers in some variants, and float32 at head dim
-    256 fits an L4's 99 KB of shared memory only with 16 keys per tile. A float8 cache's K/V rows count 5 bytes a
-    value (`kv_tile_bytes`: the loaded byte and its float32 dequantisation), and its query tile is halved: with
-    64 16-bit rows its head dim 256 variants spilled up to 3 KB a thread on sm_89 and sm_90."""
+    Compiled for sm_80/89/90 (tests/kernels/test_kernels_compile.py) with 4 warps and 64 keys, tiles whose head
+    rows are 256 bytes or more (16-bit BLOCK_D 128, float32 64) spilled registers in some variants, and float32 at
+    head dim 256 fits an L4's 99 KB of shared memory only with 16 keys per tile. A float8 cache's K/V rows count
+    5 bytes a value (`kv_tile_bytes`: the loaded byte and its float32 dequantisation), and its query tile is
+    halved: with 64 16-bit rows its head dim 256 variants spilled up to 3 KB a thread on sm_89 and sm_90.
+
+    16-bit head dims 80-128 (64 x 128 tiles) take 32 keys and 4 warps (issue 31), by the register budget. With 8
+    warps (256 threads) two programs fit an SM's 65,536 registers at 128 a thread, and this tile needs more: the
+    float32 accumulator and the query alone are 64 * 128 * (4 + 2) / 4 / 256 = 48 registers, the scores and
+    probabilities 24, K and V 32, then the addresses. ptxas either took 145-214 registers (one program an SM) or
+    squeezed into 128 by storing registers before the key loop and reloading them after (8-24 bytes of local
+    memory: 12 of 32 sampled float16 variants on sm_80, the int32 tables the engine passes among them); 32 keys
+    still needed 128 with spills. With 4 warps a thread may use 255 registers with two programs an SM, and this
+    tile takes 165-251 on sm_80 and sm_89, 116-190 on sm_90. Of 504 float16 and bfloat16 variants compiled, 3
+    still store 8 bytes, to stay at 168 (three programs an SM): on sm_80, with a window and int64 tables (the
+    engine's prefill passes int32), group 8 at head dim 128 and block size 16 (both dtypes), group 16 at head
+    dim 96 and block size 64 (float16). It is not slower in principle: the same 64 query rows per tile (so the same
+    K/V reads), each warp owns 16 whole rows (the row maxima and sums need no exchange between warps; on sm_90 a
+    warpgroup of 4 is one 64-row wgmma), and 8 or 12 warps an SM where the 8-warp tile had 8 (16 where it
+    spilled); the price is an online-softmax rescale of the accumulator every 32 keys, not 64."""
     block_m = (64 if dtype.itemsize == 2 else 32) // (2 if kv_fp8 else 1)
     row_bytes = block_d * kv_tile_bytes(dtype, kv_fp8)
+    if block_m == 64 and block_d == 128:  # 16-bit, head dims 80-128: see above
+        return block_m, 32, 4
     block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
     return block_m, block_n, 8 if row_bytes >= 256 else 4
 
