@@ -48,11 +48,6 @@ def reference(smollm2):
     return LLM(model, tokenizer, **ENGINE)
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _metrics(server) -> dict[str, float]:
     samples = parse_metrics(httpx.get(f"{server.url}/metrics").text)
     return {re.sub(r'\{model_name="smollm2"\}', "", k): v for k, v in samples.items()}

@@ -13,22 +13,11 @@ import openai
 import pytest
 
 from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
-from tests.helpers import FakeEngine, tiny_server_engine
+from tests.helpers import FakeEngine
 
 MODEL = "tiny"
 SURROGATE_CHAT = b'{"messages": [{"role": "user", "content": "Hi \\udfff"}], "max_tokens": 3}'
 SURROGATE_COMPLETION = b'{"prompt": "Hi \\udfff", "max_tokens": 3}'
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(build_app(tiny_server_engine(), MODEL)) as running:
-        yield running
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _post(server, path: str, body: bytes) -> httpx.Response:

@@ -26,11 +26,6 @@ def server():
         yield running
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def test_a_model_by_id_and_an_unknown_one(client):
     model = client.models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model" and model.owned_by == "pagedlab"

@@ -12,7 +12,6 @@ import threading
 from collections import Counter
 
 import openai
-import pytest
 
 from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
 from tests.helpers import ChatByteTokenizer, tiny_server_engine
@@ -20,17 +19,6 @@ from tests.helpers import ChatByteTokenizer, tiny_server_engine
 MODEL = "tiny"
 # A sampled token in 0-39 ends a sample: with n = 3 the choices finish at different steps.
 STOPPING = dict(n=3, temperature=1.0, seed=42, max_tokens=30, extra_body={"stop_token_ids": list(range(40))})
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(build_app(tiny_server_engine(), MODEL)) as running:
-        yield running
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _finish_chunks(chunks) -> Counter:
