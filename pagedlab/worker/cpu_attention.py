@@ -108,8 +108,9 @@ def load() -> KernelBuild:
         directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(directory / "lock")
         flags = compiler_flags()
-        module = cpp_extension.load(name, [str(_source_copy(directory))], extra_cflags=flags,
-                                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        cpp_extension.load(name, [str(_source_copy(directory))], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), verbose=False, is_python_module=False)
+        module = getattr(torch.ops, name)  # the operators it registered (TORCH_LIBRARY), paged_decode among them
     except Exception as error:  # no compiler, no OpenMP, no ninja, a read-only home...: the torch path runs
         message = _first_error(error)
         warnings.warn(
