@@ -40,7 +40,7 @@ NBVAL    := $(if $(CHROMIUM),,$(wildcard chapters/*.ipynb) --nbval-lax --nbval-s
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 test: install
-	$(PY) -m pytest tests $(NBVAL) -n $(JOBS) --dist loadgroup --durations=15
+	$(PY) -m pytest tests $(NBVAL) -n $(JOBS) --durations=15
 
 # The lint gate (ruff, rules in pyproject.toml); CI runs it before the tests.
 lint: install

@@ -21,8 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(_threads)
 
 # Files whose tests share nothing costly (no module fixture), so that xdist may spread them over its workers: each
-# chapter is minutes of work, and so is the Triton interpreter's grid. Every other file runs on one worker, its
-# module fixtures (servers, models, the compiled kernel grid) set up once.
+# chapter is minutes of work, and so is the Triton interpreter's grid. Every other file runs whole on one worker.
 SPREAD = ("tests/browser/test_chapters_in_browser.py::test_chapter_runs", "tests/kernels/test_kernels.py::")
 
 
@@ -34,17 +33,40 @@ def smollm2():
     return load_model(None, None, torch.float32, torch.device("cpu"))
 
 
+def unit(nodeid: str) -> str:
+    """The share of work one xdist worker takes whole: a test of SPREAD, else its file."""
+    return nodeid if nodeid.startswith(SPREAD) else nodeid.split("::")[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `make test` (pytest-xdist's -n): each worker takes whole units (`unit`) in the order collected here,
+    so a file's module fixtures (servers, models, the compiled kernel grid) are set up once. (xdist's own
+    `--dist loadgroup` marks do not reach its scheduler with this pytest, and `--dist loadscope` reorders the units
+    by their number of tests, which would put the chapters last.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that load the embedded SmolLM2 are slow (`make test-fast` leaves them out). For `--dist loadgroup`:
-    each file is one group but for SPREAD; the chapters go first (in the browser or nbval), then the slow tests,
-    so that no worker is left with a long test at the end while the others idle. A stable sort: files keep their
-    own order."""
+    """Tests that load the embedded SmolLM2 are slow (`make test-fast` leaves them out). For the workers: units that
+    run a chapter (in the browser or nbval) go first, then units with a slow test, so that no worker is left with a
+    long unit at the end while the other idles. A stable sort: each unit keeps its own order."""
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-        if not item.nodeid.startswith(SPREAD):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: (not _runs_a_chapter(item), item.get_closest_marker("slow") is None))
+    chapter, slow = set(), set()
+    for item in items:
+        if _runs_a_chapter(item):
+            chapter.add(unit(item.nodeid))
+        if item.get_closest_marker("slow") is not None:
+            slow.add(unit(item.nodeid))
+    items.sort(key=lambda item: (unit(item.nodeid) not in chapter, unit(item.nodeid) not in slow))
 
 
 def _runs_a_chapter(item) -> bool:
