@@ -3,15 +3,19 @@
 running (scheduled in the step, or in the running queue after it): the sequence's colour; waiting: grey;
 swapped (KV parked in CPU blocks): the sequence's colour, hatched and pale. A black cross marks a preemption,
 a black bar the step a sequence finished, a grey one the step beam search pruned it. Rows follow the order in
-which sequences first appear; the legend lists only what the chart shows.
+which sequences first appear; the legend lists only what the chart shows. `arrivals` ({request_id: step}) marks
+when requests arrived, with a line to their first step in the trace where a client held them back (static
+batching waits outside the engine, where the trace cannot see it).
 
 # Explained in chapters/05_continuous_batching.ipynb
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from matplotlib.axes import Axes
-from matplotlib.collections import PolyCollection
+from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
@@ -46,11 +50,15 @@ def _runs(row: list[str | None]):
             start = i
 
 
-def draw_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
-    """Draw every sequence's state over every step of `trace`; return the figure."""
+def draw_timeline(trace: Trace, ax: Axes | None = None, arrivals: Mapping[str, int] | None = None) -> Figure:
+    """Draw every sequence's state over every step of `trace` (and when requests arrived); return the figure."""
     step(trace, 0)  # refuses an empty trace
     colors = color_map(trace)
     table = states(trace)
+    arrivals = dict(arrivals or {})
+    for rid in arrivals:
+        if rid not in table:
+            raise ValueError(f"arrivals: request {rid!r} is not in the trace")
     ax = new_axes(ax, min(4.5 + 0.12 * len(trace.steps), 12), min(1.2 + 0.28 * len(table), 8))
     x0 = trace.steps[0].step
     polys = {state: ([], []) for state in STATES}
@@ -75,7 +83,15 @@ def draw_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
         ax.scatter(*zip(*finished), marker="|", color="black", s=60, zorder=3, gid="timeline-finished")
     if pruned:
         ax.scatter(*zip(*pruned), marker="|", color="#888888", s=60, zorder=3, gid="timeline-pruned")
-    ax.set_xlim(x0 - 0.5, trace.steps[-1].step + 0.5)
+    if arrivals:
+        first = {rid: x0 + next(i for i, state in enumerate(row) if state) for rid, row in table.items()}
+        held = [[(at, rows[rid]), (first[rid] - 0.5, rows[rid])] for rid, at in arrivals.items() if at < first[rid]]
+        lines = LineCollection(held, colors=WAITING_COLOR, linewidths=1.2, linestyles="dotted", zorder=2)
+        lines.set_gid("timeline-held-back")
+        ax.add_collection(lines)
+        ax.scatter(list(arrivals.values()), [rows[rid] for rid in arrivals], marker="|", color="#555555", s=30,
+                   zorder=3, gid="timeline-arrived")
+    ax.set_xlim(min([x0, *arrivals.values()]) - 0.5, trace.steps[-1].step + 0.5)
     ax.set_ylim(len(table) - 0.5, -0.5)
     if len(table) <= 40:
         ax.set_yticks(range(len(table)), list(table), fontsize=7)
@@ -94,6 +110,8 @@ def draw_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
         (preempted, Line2D([], [], marker="x", color="black", linestyle="", label="preempted")),
         (finished, Line2D([], [], marker="|", color="black", linestyle="", markersize=9, label="finished")),
         (pruned, Line2D([], [], marker="|", color="#888888", linestyle="", markersize=9, label="pruned (beam)")),
+        (arrivals, Line2D([], [], marker="|", color="#555555", linestyle="dotted", markersize=6,
+                          label="arrived (held back until the line ends)")),
     ] if shown]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
     return ax.figure

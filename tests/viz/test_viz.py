@@ -215,6 +215,20 @@ def test_timeline_states_and_marks():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c", "b:1"]
 
 
+def test_timeline_marks_arrivals_before_the_engine_saw_them():
+    """Requests a client held back (static batching) never wait in the engine: `arrivals` draws when each arrived,
+    and a line from there to its first step in the trace."""
+    trace = hand_trace()  # a and b first appear in step 1, c waits from step 1
+    ax = draw_timeline(trace, arrivals={"a": -2, "b": 1, "c": 0}).axes[0]
+    assert gid(ax, "timeline-arrived").get_offsets().tolist() == [[-2, 0], [1, 1], [0, 2]]
+    held = gid(ax, "timeline-held-back")
+    assert [p.vertices.tolist() for p in held.get_paths()] == [[[-2, 0], [0.5, 0]], [[0, 2], [0.5, 2]]]
+    assert ax.get_xlim()[0] <= -2.5  # the earliest arrival is in view
+    assert "arrived (held back until the line ends)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    with pytest.raises(ValueError, match="'z' is not in the trace"):
+        draw_timeline(trace, arrivals={"z": 1})
+
+
 # -- events ----------------------------------------------------------------------------------------------
 
 
