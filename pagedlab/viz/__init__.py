@@ -5,6 +5,7 @@
     draw_timeline(engine.trace)                  # who waited, ran, was swapped or preempted, step by step
     draw_step_tokens(engine.trace, budget=2048)  # each step's prefill and decode tokens against the budget
     draw_kv_usage(engine.trace)                  # blocks in use, cached and swapped, over the steps
+    animate_speculation(engine.trace, "r0")      # one request's drafts: accepted, rolled back, step by step
     playground()                                 # what if: the simulator's panel, paged against contiguous
 
 Every function is pure: the same trace and index always draw the same figure. Colours come from
@@ -21,6 +22,7 @@ from pagedlab.viz.player import animate, render
 from pagedlab.viz.playground import playground
 from pagedlab.viz.pool import draw_block_pool
 from pagedlab.viz.queues import draw_queues
+from pagedlab.viz.speculation import animate_speculation
 from pagedlab.viz.strip import is_eventful, static_strip, strip_indices
 from pagedlab.viz.tables import draw_block_tables
 from pagedlab.viz.timeline import draw_timeline
@@ -28,6 +30,7 @@ from pagedlab.viz.usage import draw_kv_usage
 
 __all__ = [
     "animate",
+    "animate_speculation",
     "describe_step",
     "draw_block_pool",
     "draw_block_tables",

@@ -109,9 +109,11 @@ def step_events(trace: Trace, index: int, tokenizer=None) -> list[str]:
             k, accepted = verified[rid]
             slots = list(rolled_back.get(rid, ()))
             first, last = work.num_computed_tokens, work.num_computed_tokens + work.num_new_tokens - 1
-            text = (f"seq {rid} verified {k} draft token{'s' if k > 1 else ''} with its newest token (tokens "
+            # positions: where tokens sit in the sequence; slots: physical (block id x block size + offset)
+            where = f"position {last}" if len(slots) == 1 else f"positions {last - len(slots) + 1}-{last}"
+            text = (f"seq {rid} verified {k} draft token{'s' if k > 1 else ''} with its newest token (positions "
                     f"{first}-{last}): accepted {accepted}"
-                    + (f", rolled back slots {slots}" if slots else "")
+                    + (f", rolled back {where} (physical slots {slots})" if slots else "")
                     + f", emitted {', '.join(_token(t, tokenizer) for t in emitted.get(rid, ()))}")
             events.append(text)
             continue

@@ -319,7 +319,17 @@ def test_the_trace_describes_verification_and_rollback(case):
     run_engine(engine, prompts[-2:], 12)
     texts = [describe_step(engine.trace, i) for i in range(len(engine.trace))]
     rolled = next(i for i, r in enumerate(engine.trace) if any(slots for _, slots in r.rolled_back))
-    assert "verified" in texts[rolled] and "rolled back slots" in texts[rolled]
+    assert "verified" in texts[rolled]
+    # positions are where tokens sit in the sequence; slots are physical (block id x block size + offset): the
+    # text names each as what it is (issue 27: the two read alike)
+    record = engine.trace[rolled]
+    rid, slots = next((rid, slots) for rid, slots in record.rolled_back if slots)
+    work = next(w for w in record.scheduled if w.request_id == rid)
+    last = work.num_computed_tokens + work.num_new_tokens - 1
+    first_rejected = last - len(slots) + 1
+    where = f"position {last}" if len(slots) == 1 else f"positions {first_rejected}-{last}"
+    assert f"rolled back {where} (physical slots {list(slots)})" in texts[rolled], texts[rolled]
+    assert f"(positions {work.num_computed_tokens}-{last})" in texts[rolled]
 
 
 def test_smollm2_greedy_matches_hf(smollm2):

@@ -507,3 +507,48 @@ def test_a_sequence_swapped_in_and_finished_in_one_step_names_its_block():
                   appended=(("a", 11),), finished=(("a", "length"),), freed=(2, 6), free=8)
     text = describe_step(Trace(8, 4, num_cpu_blocks=2, steps=[out, back]), 1)
     assert "seq a wrote 1 token into block 2 (slot 4/4), sampled token 11" in text
+
+
+# -- speculation -------------------------------------------------------------------------------------------
+
+
+def speculation_trace() -> Trace:
+    """Blocks of 4. Step 1: r0 prefills 6 tokens. Step 2: its newest token and 3 drafts (positions 6-9), 1
+    accepted: positions 8-9 rolled back (slots 8, 9 of block 2, freed)."""
+    prefill = ScheduledRequest("r0", 0, 6, "r0", tuple(range(10, 16)), (0, 1),
+                               sampling=(SamplingRequest("r0", SamplingParams()),))
+    verify = ScheduledRequest("r0", 6, 4, "r0", (16, 17, 18, 19), (0, 1, 2), num_spec_tokens=3,
+                              sampling=(SamplingRequest("r0", SamplingParams()),))
+    return Trace(8, 4, steps=[
+        record(1, tables=[T("r0", (0, 1), 6)], running=["r0"], scheduled=[prefill], appended=(("r0", 16),),
+               allocated=(("r0", (0, 1)),), free=6),
+        record(2, tables=[T("r0", (0, 1), 8)], running=["r0"], scheduled=[verify], appended=(("r0", 17), ("r0", 30)),
+               verified=(("r0", 3, 1),), rolled_back=(("r0", (8, 9)),), freed=(2,), free=6),
+    ])
+
+
+def test_speculation_frame_draws_accepted_and_rejected_drafts_and_the_freed_block():
+    from pagedlab.viz.speculation import speculation_frame
+
+    ax = speculation_frame(speculation_trace(), 1, "r0").axes[0]
+    cells = [p.get_gid() for p in ax.patches if p.get_gid()]
+    written, after = cells[:12], cells[12:]  # 3 blocks written this step, 2 kept after the rollback
+    assert written == ["slot-computed"] * 6 + ["slot-newest", "slot-accepted", "slot-rejected", "slot-rejected",
+                                               "slot-empty", "slot-empty"]
+    assert after == ["slot-computed"] * 6 + ["slot-newest", "slot-accepted"]
+    assert [t.get_text() for t in ax.texts if t.get_gid() == "block-freed"] == ["block 2 freed"]
+    with pytest.raises(ValueError, match="did not schedule 'r9'"):
+        speculation_frame(speculation_trace(), 1, "r9")
+
+
+def test_speculation_player_shows_the_steps_of_its_request_and_stores_the_rollbacks():
+    from pagedlab.viz import animate_speculation
+
+    player = animate_speculation(speculation_trace(), "r0")
+    assert player.indices == [0, 1]
+    player.slider.value = 1
+    assert "rolled back positions 8-9 (physical slots [8, 9])" in player.events.value
+    bundle = player._repr_mimebundle_()
+    assert bundle["text/plain"] == "speculation player: 2 steps of seq r0" and bundle["image/png"]
+    with pytest.raises(ValueError, match="no step of the trace scheduled 'r9'"):
+        animate_speculation(speculation_trace(), "r9")
