@@ -102,6 +102,11 @@ class InputProcessor:
             raise ValueError(
                 f"SamplingParams.logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:

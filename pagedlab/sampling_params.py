@@ -55,6 +55,7 @@ class SamplingParams:
     prompt_logprobs: the same for every prompt token after the first (`RequestOutput.prompt_logprobs`); such a
         request computes its whole prompt (no prefix-cache hits), as in vLLM.
     logit_bias: {token_id: bias} added to the logits before sampling, each bias in [-100, 100] (OpenAI's).
+    allowed_token_ids: if set, only these tokens can be drawn: every other one is masked out (after logit_bias).
     skip_special_tokens: leave special tokens out of the returned text.
     output_kind: what `LLMEngine.step()` reports for the request (`LLM.generate` asks for FINAL_ONLY).
     """
@@ -73,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -81,6 +83,8 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", _as_tuple("stop", stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
+            object.__setattr__(self, "allowed_token_ids", _as_tuple("allowed_token_ids", self.allowed_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._verify()
@@ -119,6 +123,12 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", "must be an integer >= 0 or None")
         self._verify_logit_bias()
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, tuple) or any(not is_int(t) or t < 0 for t in allowed):
+                raise bad("allowed_token_ids", "must be token ids (integers >= 0) or None")
+            if not allowed:
+                raise bad("allowed_token_ids", "must hold at least one token id (None allows every token)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind (e.g. RequestOutputKind.DELTA)")
         for name in ("ignore_eos", "skip_special_tokens"):

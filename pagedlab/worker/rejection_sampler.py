@@ -50,7 +50,7 @@ def verify(
         starts.append(start)
         start += len(drafts) + 1
         banned_any |= bool(target.banned_token_ids)
-    if banned_any or any(target.params.logit_bias for _, target in rows):
+    if banned_any or any(target.params.logit_bias or target.params.allowed_token_ids is not None for _, target in rows):
         logits = logits.clone()
         apply_logit_bias(logits, [target.params for drafts, target in rows for _ in range(len(drafts) + 1)])
         for start, (drafts, target) in zip(starts, rows):

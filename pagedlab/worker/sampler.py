@@ -98,11 +98,17 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: i
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """Add each row's `logit_bias` to its logits, in place. logits: [len(params), vocab_size]."""
+    """Add each row's `logit_bias` to its logits, then mask out every token outside its `allowed_token_ids`, in
+    place. logits: [len(params), vocab_size]."""
     for i, p in enumerate(params):
         if p.logit_bias:
             token_ids = torch.tensor(list(p.logit_bias), device=logits.device)
             logits[i, token_ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        if p.allowed_token_ids is not None:
+            allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+            kept = logits[i, allowed].clone()
+            logits[i] = -float("inf")
+            logits[i, allowed] = kept
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

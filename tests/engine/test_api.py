@@ -132,6 +132,36 @@ def test_logit_bias_holds_in_verified_drafts():
     assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
 
 
+def test_allowed_token_ids_keep_every_draw_among_them(tiny_llm):
+    """vLLM's allowed_token_ids: every other token is masked out before sampling, greedy or not; logprobs stay
+    the model's own; the ids are checked."""
+    prompt = {"prompt_token_ids": random_prompts([7])[0]}
+    greedy = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    allowed = [t for t in (3, 40, 91) if t not in greedy.token_ids[:1]]
+    kept = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=0, allowed_token_ids=allowed),
+                             use_tqdm=False)[0].outputs[0]
+    assert set(kept.token_ids) <= set(allowed) and kept.token_ids[0] != greedy.token_ids[0]
+    assert kept.logprobs[0][kept.token_ids[0]] < 0  # the model's own log-probability, before the mask
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=16, allowed_token_ids=[5, 9])
+    sampled = tiny_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert set(sampled.token_ids) <= {5, 9}
+    assert SamplingParams(allowed_token_ids=[5, 9]).allowed_token_ids == (5, 9)
+    for value, message in [([], "at least one"), ([-1], "token ids"), ([2.5], "token ids"), ("12", "token ids")]:
+        with pytest.raises(ValueError, match=f"SamplingParams.allowed_token_ids.*{message}"):
+            SamplingParams(allowed_token_ids=value)
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[128\] are outside the vocabulary"):
+        tiny_llm.generate(prompt, SamplingParams(allowed_token_ids=[5, 128]), use_tqdm=False)
+
+
+def test_allowed_token_ids_hold_in_verified_drafts():
+    prompt = {"prompt_token_ids": [77, 77, 77, 3, 77, 77]}
+    params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[77])
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=64, speculative_config=ngram)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == [77] * 8
+    assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("config", [{}, {"enable_chunked_prefill": True, "max_num_batched_tokens": 5},
                                     {"enable_prefix_caching": True}], ids=["one-step", "chunked", "prefix-caching"])
 def test_prompt_logprobs_equal_hugging_faces_log_softmax(config):

@@ -88,6 +88,15 @@ def test_logit_bias_picks_the_biased_token(client):
     assert chat.choices[0].message.content == "mmm"
 
 
+def test_allowed_token_ids_keep_the_text_among_them(client):
+    """vLLM's extra field: 'm' (77) and 'n' (78) are the only tokens the byte tokenizer may draw."""
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=2,
+                                           extra_body={"allowed_token_ids": [77, 78]})
+    assert set(completion.choices[0].text) <= {"m", "n"} and len(completion.choices[0].text) == 6
+    with pytest.raises(openai.BadRequestError, match=r"allowed_token_ids \[500\] are outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"allowed_token_ids": [500]})
+
+
 @pytest.mark.parametrize("bias, message", [
     ({"128": 1}, r"logit_bias token ids \[128\] are outside the vocabulary"),
     ({"5": 101}, r"logit_bias values must be numbers in \[-100, 100\]"),

@@ -3,9 +3,8 @@
 A field pagedlab does not know is refused (400, naming it), never ignored; so is text that is not valid
 Unicode. Fields it knows but does not implement are refused when their value would change the result (a
 non-zero presence penalty, `suffix`, tools). vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`) are accepted as vLLM accepts them. `logit_bias` maps token ids (JSON's string
-keys) to biases in [-100, 100]. Responses are plain dicts built by the
-serving modules.
+`ignore_eos`, `stop_token_ids`, `allowed_token_ids`) are accepted as vLLM accepts them. `logit_bias` maps token
+ids (JSON's string keys) to biases in [-100, 100]. Responses are plain dicts built by the serving modules.
 
 # Explained in chapters/13_serving.ipynb
 """
@@ -78,6 +77,7 @@ class _SamplingRequest(OpenAIBaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _check_shared(self):
@@ -101,7 +101,7 @@ class _SamplingRequest(OpenAIBaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
         )
 
     @property
