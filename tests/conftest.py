@@ -38,6 +38,7 @@ def unit(nodeid: str) -> str:
     return nodeid if nodeid.startswith(SPREAD) else nodeid.split("::")[0]
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: pytest without xdist (-p no:xdist) ignores it
 def pytest_xdist_make_scheduler(config, log):
     """Under `make test` (pytest-xdist's -n): each worker takes whole units (`unit`) in the order collected here,
     so a file's module fixtures (servers, models, the compiled kernel grid) are set up once. (xdist's own
