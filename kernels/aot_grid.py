@@ -1,6 +1,7 @@
 """Which kernel variants a GPU can be asked to run, and compiling all of them for sm_80, sm_89 and sm_90.
 
     grid_cases() -> [Case]                  every kernel x target, over the values the wrappers can choose
+    tile_cases() -> [Case]                  every tile the wrappers can pick, per target, at its hardest
     compile_grid(cases, jobs) -> [result]   compiled in `jobs` fresh processes (TRITON_INTERPRET unset)
 
 A case is one value per axis of its kernel (dtype, query heads per KV head, head dim, block size, window, the
@@ -19,7 +20,9 @@ tests/kernels/test_kernels_compile.py checks every result; scripts/kernel_table.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -165,6 +168,45 @@ def grid_cases(kernels: tuple[KernelSpec, ...] = KERNELS) -> list[Case]:
         for arch in spec.archs:
             cases += [Case(spec.id, arch, values) for values in covering_cases(spec.axes, spec.largest(), seen)]
     return cases
+
+
+def tile(spec: KernelSpec, values: dict) -> tuple:
+    """What sets a variant's registers and shared memory: its dtypes and the tile its wrapper picks (the BLOCK_*
+    sizes but the cache's block size, and the warps), the same for many values of group, head dim and block size."""
+    constants = spec.constants(values)
+    sizes = tuple(sorted((k, v) for k, v in constants.items() if k == "num_warps" or
+                         (k.startswith("BLOCK_") and k != "BLOCK_SIZE")))
+    return (values["dtype"], values.get("kv_dtype"), *sizes)
+
+
+def tile_cases(kernels: tuple[KernelSpec, ...] = KERNELS) -> list[Case]:
+    """Every tile each wrapper can pick, for every target, each at its hardest: the case that maps to it with
+    the sliding window on, int64 indices, a head dim and a group that fill the tile only in part (masked loads,
+    where any case does), then the largest head dim, group and block size. About 1,500 compilations: swept by
+    scripts/kernel_sweep.py, not in CI (whose grid is a sample of them)."""
+    cases = []
+    for spec in kernels:
+        hardest: dict[tuple, dict] = {}
+        for combo in itertools.product(*spec.axes.values()):
+            values = dict(zip(spec.axes, combo))
+            if values.get("index_dtype", "int64") != "int64" or values.get("window", True) is not True:
+                continue
+            constants = spec.constants(values)
+            rank = (values["head_dim"] != constants.get("BLOCK_D", values["head_dim"]),
+                    "group" in values and values["group"] != constants.get("BLOCK_G", values["group"]),
+                    values["head_dim"], values.get("group", 0), values.get("block_size", 0),
+                    values.get("num_kv_heads", 0))
+            key = tile(spec, values)
+            if key not in hardest or rank > hardest[key][0]:
+                hardest[key] = (rank, values)
+        cases += [Case(spec.id, arch, values) for arch in spec.archs for _, values in hardest.values()]
+    return cases
+
+
+def cases_digest(cases: list[Case]) -> str:
+    """A short digest of the cases (kernel, target, values): a stored sweep names the cases it compiled."""
+    text = json.dumps([(c.kernel, c.arch, c.values) for c in cases], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _torch_dtype(name: str):

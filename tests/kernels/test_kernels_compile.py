@@ -10,6 +10,7 @@ fresh processes (the kernels here are in the interpreter's mode); with an empty 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -25,7 +26,7 @@ pytest.importorskip("triton")
 import triton.language as tl
 
 from pagedlab.kernels.aot import TARGETS, CompileReport, compile_for_target, pointer, problems
-from pagedlab.kernels.aot_grid import KERNELS, Case, compile_grid, grid_cases, markdown_table
+from pagedlab.kernels.aot_grid import KERNELS, Case, compile_grid, grid_cases, markdown_table, tile_cases
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION"),  # Triton 3.9's note on its default
@@ -69,6 +70,18 @@ def off_grid() -> dict[str, dict]:
 def test_variants_off_the_grid_fit_the_target(off_grid, name):
     result = off_grid[name]
     assert not result["problems"], f"{result['case']} -> {result['constants']}: {'; '.join(result['problems'])}"
+
+
+def test_the_sweep_takes_every_tile_of_every_kernel_once_per_target():
+    from pagedlab.kernels.aot_grid import tile
+
+    cases = tile_cases()
+    for spec in KERNELS:
+        mine = [c for c in cases if c.kernel == spec.id]
+        tiles = {tile(spec, dict(zip(spec.axes, combo))) for combo in itertools.product(*spec.axes.values())}
+        for arch in spec.archs:
+            swept = [tile(spec, c.values) for c in mine if c.arch == arch]
+            assert sorted(swept) == sorted(tiles), (spec.id, arch)
 
 
 def test_grid_takes_every_value_for_every_kernel_and_target():
