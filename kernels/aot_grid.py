@@ -282,7 +282,6 @@ def markdown_table(results: list[dict]) -> str:
     """The README's table: per kernel and target, the variants compiled and the worst of them."""
     import triton
 
-    from .aot import TARGETS
 
     lines = [
         f"Compiled by triton {triton.__version__} on a CPU (`python scripts/kernel_table.py --write-readme`; "
@@ -291,6 +290,15 @@ def markdown_table(results: list[dict]) -> str:
         "thread, the warps,",
         "the variants that spill registers, and the tensor-core instruction of the 16-bit `tl.dot`s.",
         "",
+    ]
+    return "\n".join(lines) + "\n" + results_table(results)
+
+
+def results_table(results: list[dict]) -> str:
+    """Per kernel and target: the variants compiled and the worst of them (the README's table, the sweep's)."""
+    from .aot import TARGETS
+
+    lines = [
         "| kernel | target | variants | shared memory (max) | registers (max) | warps | spills | 16-bit dot |",
         "|:--|:--|--:|--:|--:|:--|:--|:--|",
     ]

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedlab.kernels.aot_grid import KERNELS, cases_digest, compile_grid, tile_cases
+from pagedlab.kernels.aot_grid import cases_digest, compile_grid, results_table, tile_cases
 
 OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "kernels" / "tile_sweep.md"
 
@@ -35,17 +35,8 @@ def report(cases, results, seconds: float) -> str:
         "Each tile (dtypes, BLOCK_* sizes, warps) at its hardest case: window on, int64 indices, a head dim and a",
         "group that fill it only in part where any do, then the largest head dim, group and block size.",
         "",
-        "| kernel | target | tiles | registers (max) | shared memory (max) | unfit |",
-        "|:--|:--|--:|--:|--:|--:|",
+        results_table(results).rstrip("\n"),
     ]
-    for spec in KERNELS:
-        for arch in spec.archs:
-            mine = [r for r in results if r["kernel"] == spec.id and r["arch"] == arch]
-            ok = [r for r in mine if r["error"] is None]
-            registers = max((r["registers"] for r in ok), default=0)
-            shared = max((r["shared"] for r in ok), default=0) / 1024
-            unfit = sum(1 for r in mine if r["problems"])
-            lines.append(f"| `{spec.id}` | sm_{arch} | {len(mine)} | {registers} | {shared:.1f} KB | {unfit} |")
     unfit = [r for r in results if r["problems"]]
     lines += ["", f"Unfit variants: {len(unfit)}."]
     lines += [f"- sm_{r['arch']} `{r['kernel']}` {r['case']} -> {r['constants']}: {'; '.join(r['problems'])}"
