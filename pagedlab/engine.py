@@ -43,7 +43,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         vocab_size = model.get_input_embeddings().num_embeddings
-        self.inputs = InputProcessor(tokenizer, vocab_size, config, info.num_blocks)
+        self.inputs = InputProcessor(tokenizer, vocab_size, config, info.num_blocks, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod

@@ -4,7 +4,7 @@ Every check happens before anything changes, and each failure is a `ValueError` 
 prompt, token ids that are not integers or lie outside the vocabulary, a cache salt that is not a non-empty
 string, a prompt that could never fit (in max_model_len, in the whole KV cache, or in one step without chunked
 prefill), more samples or beams than max_num_seqs lets run at once, stop token ids outside the vocabulary, more
-logprobs than the vocabulary has tokens.
+logprobs than the vocabulary has tokens, allowed token ids that min_tokens bans every one of.
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
@@ -28,9 +28,11 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, config: EngineConfig, num_blocks: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self.config = config  # with max_model_len resolved
         self.num_blocks = num_blocks
 
@@ -106,6 +108,12 @@ class InputProcessor:
         if bad:
             raise ValueError(
                 f"SamplingParams.allowed_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and params.allowed_token_ids is not None and banned >= set(params.allowed_token_ids):
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids {list(params.allowed_token_ids)[:5]} are all banned until "
+                f"min_tokens={params.min_tokens} (they are stop token ids or EOS): no token could be drawn"
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)

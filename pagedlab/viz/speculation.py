@@ -142,10 +142,13 @@ class SpeculationPlayer(Player):
         self.image.value = to_png(speculation_frame(self.trace, index, self.request_id))
         self.events.value = events_html(self.trace, index)
 
+    def rollback_indices(self) -> list[int]:
+        """The steps at which this request's rejected drafts gave slots back (the stored picture shows three)."""
+        return [i for i in self.indices if dict(self.trace.steps[i].rolled_back).get(self.request_id)]
+
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs) -> dict:
         bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
-        rolled = [i for i in self.indices if self.trace.steps[i].rolled_back][:3]
-        strip = speculation_strip(self.trace, rolled or self.indices[:3], self.request_id)
+        strip = speculation_strip(self.trace, self.rollback_indices()[:3] or self.indices[:3], self.request_id)
         bundle["image/png"] = base64.b64encode(to_png(strip, dpi=STORED_DPI)).decode("ascii")
         bundle["text/plain"] = f"speculation player: {len(self.indices)} steps of seq {self.request_id}"
         return bundle

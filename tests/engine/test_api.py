@@ -153,6 +153,19 @@ def test_allowed_token_ids_keep_every_draw_among_them(tiny_llm):
         tiny_llm.generate(prompt, SamplingParams(allowed_token_ids=[5, 128]), use_tqdm=False)
 
 
+def test_allowed_token_ids_that_min_tokens_bans_every_one_of_are_refused(tiny_llm):
+    """min_tokens bans EOS and the stop token ids; if every allowed token is among them, no token could be drawn
+    (every logit -inf): refused at add_request, naming both fields, and the engine goes on."""
+    prompt = {"prompt_token_ids": random_prompts([7])[0]}
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[5, 9], allowed_token_ids=[5, 9])
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[5, 9\] are all banned until min_tokens=2"):
+        tiny_llm.generate(prompt, params, use_tqdm=False)
+    for fine in (dict(min_tokens=0), dict(allowed_token_ids=[5, 9, 11])):  # nothing banned, or one token left
+        kept = tiny_llm.generate(prompt, replace(params, **fine), use_tqdm=False)[0].outputs[0]
+        assert set(kept.token_ids) <= {5, 9, 11}
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
 def test_allowed_token_ids_hold_in_verified_drafts():
     prompt = {"prompt_token_ids": [77, 77, 77, 3, 77, 77]}
     params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[77])

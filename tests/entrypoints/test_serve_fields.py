@@ -137,3 +137,55 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client):
     assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == logprobs.text_offset
     samples = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, n=2, seed=1, echo=True)
     assert [c.text[:5] for c in samples.choices] == [prompt, prompt] and samples.choices[0].logprobs is None
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone_with_its_logprobs(client):
+    """vLLM's echo with max_tokens 0 (how evaluation harnesses score a text): the prompt, its tokens' logprobs,
+    no completion token in the text or the usage, finish_reason "length"; streamed, one chunk. Without echo,
+    max_tokens 0 is a 400 that names it."""
+    prompt, prompt_ids = "Hello", [ord(c) - 32 for c in "Hello"]
+    with torch.inference_mode():
+        expected = torch.log_softmax(tiny_model()(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    request = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    full = client.completions.create(**request)
+    choice = full.choices[0]
+    assert (choice.text, choice.finish_reason, full.usage.completion_tokens) == (prompt, "length", 0)
+    assert choice.logprobs.tokens == list(prompt) and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        [expected[i - 1, prompt_ids[i]].item() for i in range(1, 5)], abs=1e-4)
+    chunks = list(client.completions.create(stream=True, **request))
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks] == [(prompt, "length")]
+    assert chunks[0].choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
+    two = client.completions.create(model=MODEL, prompt=[prompt_ids, prompt_ids[:3]], max_tokens=0, echo=True, n=2,
+                                    temperature=1.0, seed=0)
+    assert [c.text for c in two.choices] == [prompt, prompt, prompt[:3], prompt[:3]]
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1.*only with echo"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
+def test_prompt_logprobs_as_vllm_returns_them_in_completions_and_chat(client):
+    """vLLM's extra field `prompt_logprobs`: per prompt token, None for the first, then {token id: {logprob,
+    decoded_token}} for the top k and the prompt's own token: on each completion choice, and on a chat response.
+    Not available with stream (as in vLLM), a 400 that says so."""
+    prompt, prompt_ids = "Hello", [ord(c) - 32 for c in "Hello"]
+    with torch.inference_mode():
+        expected = torch.log_softmax(tiny_model()(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, n=1,
+                                     extra_body={"prompt_logprobs": 1})
+    entries = full.choices[0].prompt_logprobs
+    assert entries[0] is None and len(entries) == len(prompt_ids)
+    for i, entry in enumerate(entries[1:], start=1):
+        own = entry[str(prompt_ids[i])]
+        assert own["logprob"] == pytest.approx(expected[i - 1, prompt_ids[i]].item(), abs=1e-4)
+        assert own["decoded_token"] == prompt[i] and len(entry) in (1, 2)
+        assert str(expected[i - 1].argmax().item()) in entry
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0].model_extra == {}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in chat.prompt_logprobs[1:])  # k = 0: the prompt's own token alone
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs.*stream"):
+        client.completions.create(model=MODEL, prompt=prompt, stream=True, extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs.*stream"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+                                       extra_body={"prompt_logprobs": 1})

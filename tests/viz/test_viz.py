@@ -552,3 +552,20 @@ def test_speculation_player_shows_the_steps_of_its_request_and_stores_the_rollba
     assert bundle["text/plain"] == "speculation player: 2 steps of seq r0" and bundle["image/png"]
     with pytest.raises(ValueError, match="no step of the trace scheduled 'r9'"):
         animate_speculation(speculation_trace(), "r9")
+
+
+def test_speculation_player_stores_steps_that_gave_slots_back_not_those_that_accepted_every_draft(monkeypatch):
+    import dataclasses
+
+    from pagedlab.viz import animate_speculation, speculation
+
+    trace = speculation_trace()
+    verify = trace.steps[1]
+    all_accepted = dataclasses.replace(verify, verified=(("r0", 3, 3),), rolled_back=(("r0", ()),), freed=())
+    trace.steps[1:1] = [all_accepted]  # a step whose drafts were all accepted records an empty rollback
+    stored = []
+    real_strip = speculation.speculation_strip
+    monkeypatch.setattr(speculation, "speculation_strip",
+                        lambda t, indices, rid: stored.append(indices) or real_strip(t, indices, rid))
+    animate_speculation(trace, "r0")._repr_mimebundle_()
+    assert stored == [[2]]

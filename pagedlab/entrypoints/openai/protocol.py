@@ -3,8 +3,9 @@
 A field pagedlab does not know is refused (400, naming it), never ignored; so is text that is not valid
 Unicode. Fields it knows but does not implement are refused when their value would change the result (a
 non-zero presence penalty, `suffix`, tools). vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `allowed_token_ids`) are accepted as vLLM accepts them. `logit_bias` maps token
-ids (JSON's string keys) to biases in [-100, 100]. Responses are plain dicts built by the serving modules.
+`ignore_eos`, `stop_token_ids`, `allowed_token_ids`, `prompt_logprobs`) are accepted as vLLM accepts them.
+`logit_bias` maps token ids (JSON's string keys) to biases in [-100, 100]. Responses are plain dicts built by the
+serving modules.
 
 # Explained in chapters/13_serving.ipynb
 """
@@ -78,6 +79,7 @@ class _SamplingRequest(OpenAIBaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt tokens' logprobs, in the response
 
     @model_validator(mode="after")
     def _check_shared(self):
@@ -90,6 +92,8 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"logit_bias keys must be token ids (integers), got {bad[:5]}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -113,7 +117,7 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt before each choice's text (with logprobs: the prompt tokens' too)
     best_of: int | None = None
@@ -127,6 +131,9 @@ class CompletionRequest(_SamplingRequest):
             raise _refuse("best_of (other than n)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo: the prompt alone, with "
+                             "its logprobs)")
         return self
 
     def prompts(self) -> list[str | dict]:

@@ -35,7 +35,7 @@ class OpenAIServingChat(OpenAIServing):
         field = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
         self.check_context(prompt, request.max_output_tokens, "messages", field)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, request.max_output_tokens, num_top)
+        params = self.sampling_params(request, request.max_output_tokens, num_top, request.prompt_logprobs)
         request_id = self.new_id("chatcmpl")
         streams = await self.add_requests(request_id, [prompt], params)
         if request.stream:
@@ -62,9 +62,11 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _full(self, request: ChatCompletionRequest, request_id: str, stream) -> dict:
         texts, token_ids, logprobs, finish = {}, {}, {}, {}
+        prompt_logprobs = None
         try:
             async for output in stream:
                 raise_if_failed(output)
+                prompt_logprobs = output.prompt_logprobs if output.prompt_logprobs is not None else prompt_logprobs
                 for c in output.outputs:
                     texts[c.index] = texts.get(c.index, "") + c.text
                     token_ids[c.index] = token_ids.get(c.index, []) + c.token_ids
@@ -78,10 +80,14 @@ class OpenAIServingChat(OpenAIServing):
             for j in sorted(texts)
         ]
         num_output = sum(len(t) for t in token_ids.values())
-        return {
+        response = {
             "id": request_id, "object": "chat.completion", "created": self.created(), "model": self.model_name,
             "choices": choices, "usage": usage([stream], num_output),
         }
+        if request.prompt_logprobs is not None:  # vLLM's extra field, beside the choices
+            response["prompt_logprobs"] = self.prompt_logprobs(stream.prompt_token_ids, prompt_logprobs,
+                                                               request.prompt_logprobs)
+        return response
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int], logprobs: list) -> dict | None:
         if not request.logprobs:

@@ -1,6 +1,7 @@
 """POST /v1/completions: one engine request per prompt, its `n` samples as choices `prompt * n + sample`.
 With `echo` each choice starts with its prompt (and, with `logprobs`, the prompt tokens' logprobs: vLLM's
-`prompt_logprobs`, None for the first token).
+`prompt_logprobs`, None for the first token); with `echo` and `max_tokens` 0, the prompt alone (how evaluation
+harnesses score a text). vLLM's extra `prompt_logprobs` puts them on each choice in vLLM's format instead.
 
 Streamed, each delta of each sample is a `text_completion` chunk; with `stream_options.include_usage` a last
 chunk carries the usage; `data: [DONE]` ends the stream. Not streamed, the deltas are joined into one
@@ -33,11 +34,13 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response body, or for `stream` an iterator of SSE lines. Bad input raises `OpenAIError` (400)
         before anything is queued."""
         self.check_model(request.model)
-        prompt_logprobs = request.logprobs if request.echo else None
-        params = self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
+        wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
+        # max_tokens 0 (echo alone): the engine draws one token, which the response leaves out (as vLLM does)
+        max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
+        params = self.sampling_params(request, max_tokens, request.logprobs, max(wanted, default=None))
         prompts = await self.tokenize(request.prompts())
         for prompt in prompts:
-            self.check_context(prompt, request.max_tokens, "prompt")
+            self.check_context(prompt, max_tokens, "prompt")
         request_id = self.new_id("cmpl")
         streams = await self.add_requests(request_id, prompts, params)
         if request.stream:
@@ -53,12 +56,16 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids: list[list[int]] = [[] for _ in texts]
         logprobs: list[list] = [[] for _ in texts]
         finish = [None] * len(texts)
-        echo, num_output = Echo(self, request.echo), 0
+        prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt tokens' logprobs
+        echo, num_output = Echo(self, request), 0
         try:
             async for i, output in merge_streams(streams):
                 raise_if_failed(output)
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[i] = output.prompt_logprobs
                 for c in output.outputs:
                     k = i * n + c.index
+                    c = echo.generated(c)
                     num_output += len(c.token_ids)
                     c = echo.before_first(k, i, output, c)
                     texts[k] += c.text
@@ -73,6 +80,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 choice_logprobs = self.completion_logprobs(token_ids[k], logprobs[k], request.logprobs, 0)
             choices.append({"index": k, "text": text, "logprobs": choice_logprobs, "finish_reason": finish[k]})
+            if request.prompt_logprobs is not None:
+                i = k // n
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs(streams[i].prompt_token_ids,
+                                                                      prompt_logprobs[i], request.prompt_logprobs)
         return {
             "id": request_id, "object": "text_completion", "created": self.created(), "model": self.model_name,
             "choices": choices, "usage": usage(streams, num_output),
@@ -83,12 +94,13 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets = [0] * (len(streams) * n)
         num_output = 0
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        echo = Echo(self, request.echo)
+        echo = Echo(self, request)
         try:
             async for i, output in merge_streams(streams):
                 raise_if_failed(output)
                 for c in output.outputs:
                     k = i * n + c.index
+                    c = echo.generated(c)
                     num_output += len(c.token_ids)
                     c = echo.before_first(k, i, output, c)
                     choice_logprobs = None
@@ -111,12 +123,21 @@ class OpenAIServingCompletion(OpenAIServing):
 
 class Echo:
     """`echo`: each choice's first delta gets its prompt in front, as a delta of its own would be (the prompt's
-    text, its token ids, and the logprobs of its tokens when they were asked for)."""
+    text, its token ids, and the logprobs of its tokens when they were asked for). With max_tokens 0 the prompt
+    is all there is: the one token the engine drew is left out."""
 
-    def __init__(self, serving: OpenAIServingCompletion, enabled: bool) -> None:
-        self.serving, self.enabled = serving, enabled
+    def __init__(self, serving: OpenAIServingCompletion, request: CompletionRequest) -> None:
+        self.serving, self.enabled = serving, request.echo
+        self.prompt_only = request.echo and request.max_tokens == 0
         self.prompts: dict[int, CompletionOutput] = {}  # prompt index -> its prompt as a delta
         self.echoed: set[int] = set()  # choices whose prompt went out
+
+    def generated(self, delta: CompletionOutput) -> CompletionOutput:
+        """What of a delta the completion keeps: all of it, or with max_tokens 0 nothing but that it finished."""
+        if not self.prompt_only:
+            return delta
+        return dataclasses.replace(delta, text="", token_ids=[], logprobs=None if delta.logprobs is None else [],
+                                   finish_reason="length" if delta.finish_reason is not None else None)
 
     def before_first(self, choice: int, prompt_index: int, output: RequestOutput,
                      delta: CompletionOutput) -> CompletionOutput:

@@ -148,6 +148,18 @@ class OpenAIServing:
             out["top_logprobs"].append({self.token_text(t): lp for t, lp in top} | {token: entry.get(token_id)})
         return out
 
+    def prompt_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None], num_top: int) -> list:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: {logprob, decoded_token}}
+        for the top `num_top` and the prompt's own token (vLLM's `rank` is not reported)."""
+        out = []
+        for token_id, entry in zip(token_ids, logprobs):
+            if entry is None:
+                out.append(None)
+                continue
+            kept = dict(sorted(entry.items(), key=lambda item: -item[1])[:num_top]) | {token_id: entry[token_id]}
+            out.append({str(t): {"logprob": lp, "decoded_token": self.token_text(t)} for t, lp in kept.items()})
+        return out
+
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict:
         """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
         content = []
