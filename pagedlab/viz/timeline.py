@@ -3,9 +3,10 @@
 running (scheduled in the step, or in the running queue after it): the sequence's colour; waiting: grey;
 swapped (KV parked in CPU blocks): the sequence's colour, hatched and pale. A black cross marks a preemption,
 a black bar the step a sequence finished, a grey one the step beam search pruned it. Rows follow the order in
-which sequences first appear; the legend lists only what the chart shows. `arrivals` ({request_id: step}) marks
-when requests arrived, with a line to their first step in the trace where a client held them back (static
-batching waits outside the engine, where the trace cannot see it).
+which requests first appear, each request's samples or beams right under it; with more than 40 rows only the
+requests are named, each group between thin lines. The legend lists only what the chart shows. `arrivals`
+({request_id: step}) marks when requests arrived, with a line to their first step in the trace where a client
+held them back (static batching waits outside the engine, where the trace cannot see it).
 
 # Explained in chapters/05_continuous_batching.ipynb
 """
@@ -22,14 +23,23 @@ from matplotlib.patches import Patch
 
 from pagedlab.core.trace import Trace
 from pagedlab.viz._common import PRUNED, new_axes, step
-from pagedlab.viz.palette import WAITING_COLOR, appearance_order, color_map, mix
+from pagedlab.viz.palette import WAITING_COLOR, appearance_order, color_map, mix, roots
 
 STATES = ("waiting", "running", "swapped")
 
 
+def row_order(trace: Trace) -> list[str]:
+    """Every sequence of the trace: requests in the order they first appear, each followed by its forks."""
+    root_of = roots(trace)
+    groups: dict[str, list[str]] = {}
+    for rid in appearance_order(trace):
+        groups.setdefault(root_of.get(rid, rid), []).append(rid)
+    return [rid for members in groups.values() for rid in members]
+
+
 def states(trace: Trace) -> dict[str, list[str | None]]:
-    """request_id -> its state at each step of the trace ("waiting", "running", "swapped" or None)."""
-    table: dict[str, list[str | None]] = {rid: [None] * len(trace.steps) for rid in appearance_order(trace)}
+    """request_id -> its state at each step of the trace ("waiting", "running", "swapped" or None), in row order."""
+    table: dict[str, list[str | None]] = {rid: [None] * len(trace.steps) for rid in row_order(trace)}
     for i, record in enumerate(trace.steps):
         for rid in record.waiting:
             table[rid][i] = "waiting"
@@ -95,8 +105,12 @@ def draw_timeline(trace: Trace, ax: Axes | None = None, arrivals: Mapping[str, i
     ax.set_ylim(len(table) - 0.5, -0.5)
     if len(table) <= 40:
         ax.set_yticks(range(len(table)), list(table), fontsize=7)
-    else:
-        ax.set_yticks([])
+    else:  # too many rows to name: name each request, its forks under it, a line between requests
+        root_of = roots(trace)
+        firsts = [row for row, rid in enumerate(table) if rid not in root_of]
+        ax.set_yticks(firsts, [list(table)[row] for row in firsts], fontsize=max(4, min(7, 320 / len(firsts))))
+        ax.hlines([row - 0.5 for row in firsts[1:]], *ax.get_xlim(), colors="#DDDDDD", linewidths=0.4, zorder=0,
+                  gid="timeline-groups")
     ax.set_xlabel("step")
     ax.set_ylabel("sequence")
     ax.set_title("requests over steps", fontsize=9)

@@ -204,15 +204,31 @@ def test_timeline_states_and_marks():
     assert states(trace) == {
         "a": ["running", "running", "waiting"],
         "b": ["running", "running", "running"],
-        "c": ["waiting", "waiting", "waiting"],
         "b:1": [None, "running", "running"],
+        "c": ["waiting", "waiting", "waiting"],
     }
     ax = draw_timeline(trace).axes[0]
     assert len(gid(ax, "timeline-running").get_paths()) == 3  # a (steps 1-2), b (1-3), b:1 (2-3)
     assert len(gid(ax, "timeline-waiting").get_paths()) == 2  # a (3), c (1-3)
     assert hexes(gid(ax, "timeline-running")) == [seq_color(trace, r) for r in ("a", "b", "b:1")]
     assert gid(ax, "timeline-preempted").get_offsets().tolist() == [[3, 0]]
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c", "b:1"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "b:1", "c"]  # a request's forks under it
+
+
+def test_a_timeline_of_many_sequences_names_each_request_with_its_forks_under_it():
+    """Over 40 rows the rows are too thin to name one by one: each request is named, its samples right under it,
+    a thin line between requests, so that a reader can follow one request."""
+    requests = [f"r{i}" for i in range(24)]
+    forks = [f"{r}:1" for r in requests]
+    trace = Trace(64, 4, steps=[
+        record(1, running=requests, free=40),
+        record(2, running=requests + forks, forked=tuple(zip(requests, forks)), free=16),
+    ])
+    ax = draw_timeline(trace).axes[0]
+    assert list(states(trace))[:4] == ["r0", "r0:1", "r1", "r1:1"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == requests
+    assert list(ax.get_yticks()) == list(range(0, 48, 2))
+    assert len(gid(ax, "timeline-groups").get_segments()) == 23
 
 
 def test_timeline_marks_arrivals_before_the_engine_saw_them():
@@ -220,9 +236,9 @@ def test_timeline_marks_arrivals_before_the_engine_saw_them():
     and a line from there to its first step in the trace."""
     trace = hand_trace()  # a and b first appear in step 1, c waits from step 1
     ax = draw_timeline(trace, arrivals={"a": -2, "b": 1, "c": 0}).axes[0]
-    assert gid(ax, "timeline-arrived").get_offsets().tolist() == [[-2, 0], [1, 1], [0, 2]]
+    assert gid(ax, "timeline-arrived").get_offsets().tolist() == [[-2, 0], [1, 1], [0, 3]]  # c under b and b:1
     held = gid(ax, "timeline-held-back")
-    assert [p.vertices.tolist() for p in held.get_paths()] == [[[-2, 0], [0.5, 0]], [[0, 2], [0.5, 2]]]
+    assert [p.vertices.tolist() for p in held.get_paths()] == [[[-2, 0], [0.5, 0]], [[0, 3], [0.5, 3]]]
     assert ax.get_xlim()[0] <= -2.5  # the earliest arrival is in view
     assert "arrived (held back until the line ends)" in [t.get_text() for t in ax.get_legend().get_texts()]
     with pytest.raises(ValueError, match="'z' is not in the trace"):
@@ -369,7 +385,7 @@ def test_a_pruned_beam_reads_as_pruned_everywhere():
     assert texts(draw_queues(trace, 3).axes[0], "queue-running-label") == ["b", "b:1\npruned"]
     assert "b:1 pruned" in strip_texts(static_strip(trace, [3]), "strip-note")
     ax = draw_timeline(trace).axes[0]
-    assert gid(ax, "timeline-pruned").get_offsets().tolist() == [[4, 3]]
+    assert gid(ax, "timeline-pruned").get_offsets().tolist() == [[4, 2]]  # b:1, the row under b
     assert "pruned (beam)" in legend_labels(ax) and "finished" not in legend_labels(ax)
 
 
