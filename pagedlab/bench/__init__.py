@@ -25,7 +25,7 @@ __all__ = ["BenchOptions", "BenchmarkReport", "run_benchmark", "WORKLOADS", "COM
 
 WORKLOADS = ("chat", "nano-vllm", "prefix", "sharing", "pressure", "serving", "overhead", "capacity", "decode",
              "calibrate")
-COMPARATORS = ("hf-static", "hf-cb", "pagedlab-contiguous")
+COMPARATORS = ("hf-static", "hf-cb", "pagedlab-contiguous", "vllm")
 
 
 @dataclass(frozen=True)

