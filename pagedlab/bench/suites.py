@@ -106,8 +106,8 @@ def _run_vllm(bench, workload: workloads.Workload, num_slots: int):
     return systems.run_vllm(
         str(folder), workload, dtype=str(param.dtype).removeprefix("torch."), threads=bench.threads,
         repeats=o.repeats, kv_cache_memory_bytes=num_slots * bytes_per_token,
-        **{k: v for k, v in _engine_options(bench, workload).items() if k != "seed"}, seed=o.seed,
-    )
+        **{k: v for k, v in _engine_options(bench, workload).items() if k not in ("seed", "block_size")}, seed=o.seed,
+    )  # vLLM's CPU attention takes only some block sizes (multiples of 32 here): its own choice, noted
 
 
 def system_table(bench, workload: workloads.Workload, name: str) -> list:
@@ -149,7 +149,7 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                        f"{extra['threads']} OpenMP thread(s) bound to cores {extra['VLLM_CPU_OMP_THREADS_BIND']} "
                        f"(pagedlab: {bench.threads} torch thread(s)); built in {extra['load_s']:.0f} s (untimed, "
                        f"compiling included), warmed up on {extra['warmup_requests']} requests; the same KV "
-                       "budget in bytes, step budgets and block size")
+                       f"budget in bytes and step budgets, blocks of {extra['block_size']} (vLLM's choice)")
         else:
             raise ValueError(f"unknown comparator {system!r}; choose from {', '.join(COMPARATORS)}")
     param = next(bench.model.parameters())

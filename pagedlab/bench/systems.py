@@ -360,12 +360,13 @@ def vllm_thread_env(threads: int) -> dict[str, str]:
 
 
 def run_vllm(model_dir: str, workload: Workload, *, dtype: str, threads: int, max_num_seqs: int,
-             max_num_batched_tokens: int, max_model_len: int, block_size: int, kv_cache_memory_bytes: int,
+             max_num_batched_tokens: int, max_model_len: int, kv_cache_memory_bytes: int, block_size: int | None = None,
              enable_prefix_caching: bool = False, seed: int = 0, repeats: int = 1, python: str | None = None,
              timeout_s: float = 3600.0) -> RunResult:
     """vLLM's offline `LLM` on the same workload, model folder, dtype, limits and KV budget, in a subprocess of
     its own environment (`pagedlab/bench/vllm_runner.py`). Its load time (minutes of compiling on first start) is
-    in `extra["load_s"]`, outside the timing."""
+    in `extra["load_s"]`, outside the timing. `block_size` None leaves it to vLLM (its CPU attention takes only
+    some sizes); the size it used is in `extra["block_size"]`."""
     import json
     import os
     import subprocess
@@ -379,6 +380,9 @@ def run_vllm(model_dir: str, workload: Workload, *, dtype: str, threads: int, ma
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
         "kv_cache_memory_bytes": kv_cache_memory_bytes, "enable_prefix_caching": enable_prefix_caching, "seed": seed,
         "warmup_requests": VLLM_WARMUP_REQUESTS, "repeats": max(1, repeats),
+        # a folder without a tokenizer (a test's tiny model) runs on token ids alone
+        "skip_tokenizer_init": not any((Path(model_dir) / name).exists()
+                                       for name in ("tokenizer.json", "tokenizer_config.json")),
     }
     runner = Path(__file__).with_name("vllm_runner.py")
     with tempfile.TemporaryDirectory(prefix="pagedlab-vllm-") as folder:
@@ -396,5 +400,6 @@ def run_vllm(model_dir: str, workload: Workload, *, dtype: str, threads: int, ma
     result.elapsed_runs = list(out["elapsed_runs"])
     result.token_ids = out["token_ids"]
     result.extra = {"version": out["version"], "load_s": out["load_s"], "threads": threads,
-                    "warmup_requests": VLLM_WARMUP_REQUESTS, **vllm_thread_env(threads)}
+                    "block_size": out["block_size"], "warmup_requests": VLLM_WARMUP_REQUESTS,
+                    **vllm_thread_env(threads)}
     return result

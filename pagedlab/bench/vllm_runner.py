@@ -23,16 +23,21 @@ def run(job: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
+    # block_size None: vLLM's own choice (its CPU attention takes only some sizes, e.g. multiples of 32)
+    sized = {} if job["block_size"] is None else {"block_size": job["block_size"]}
     start = time.perf_counter()
     llm = LLM(
         model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-        max_num_batched_tokens=job["max_num_batched_tokens"], block_size=job["block_size"],
-        kv_cache_memory_bytes=job["kv_cache_memory_bytes"], enable_prefix_caching=job["enable_prefix_caching"],
-        seed=job["seed"],
+        max_num_batched_tokens=job["max_num_batched_tokens"], kv_cache_memory_bytes=job["kv_cache_memory_bytes"],
+        enable_prefix_caching=job["enable_prefix_caching"], seed=job["seed"],
+        skip_tokenizer_init=job["skip_tokenizer_init"], **sized,
     )
     load_s = time.perf_counter() - start
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in job["max_tokens"]]
+    detokenize = not job["skip_tokenizer_init"]  # text as pagedlab makes it, where the folder has a tokenizer
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=detokenize)
+              for n in job["max_tokens"]]
     warmup = job["warmup_requests"]
     llm.generate(prompts[:warmup], params[:warmup], use_tqdm=False)  # first-call costs, untimed
     elapsed_runs, token_ids = [], None
@@ -46,7 +51,8 @@ def run(job: dict) -> dict:
         if token_ids is not None and run_tokens != token_ids:
             raise RuntimeError("vLLM's greedy tokens changed between repeats")
         token_ids = run_tokens
-    return {"version": vllm.__version__, "load_s": load_s, "elapsed_runs": elapsed_runs, "token_ids": token_ids}
+    return {"version": vllm.__version__, "load_s": load_s, "elapsed_runs": elapsed_runs, "token_ids": token_ids,
+            "block_size": block_size}
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import json, os
 __version__ = "0.0-stand-in"
 
 class SamplingParams:
-    def __init__(self, temperature, max_tokens, ignore_eos):
+    def __init__(self, temperature, max_tokens, ignore_eos, detokenize):
         assert temperature == 0.0 and ignore_eos
         self.max_tokens = max_tokens
 
@@ -40,6 +40,11 @@ class LLM:
             raise RuntimeError("the stand-in refuses to start")
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
             json.dump({"kwargs": kwargs, "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}, f)
+
+    class llm_engine:
+        class vllm_config:
+            class cache_config:
+                block_size = 32
 
     def reset_prefix_cache(self):
         pass
@@ -84,11 +89,11 @@ def test_vllm_joins_the_chat_table_with_pagedlabs_settings(tmp_path, stand_in_vl
     built = json.loads(stand_in_vllm.read_text())
     kwargs = built["kwargs"]
     assert kwargs["model"] == str(tmp_path / "tiny-llama") and kwargs["dtype"] == "float32"
-    assert (kwargs["block_size"], kwargs["max_num_seqs"]) == (16, TINY["max_num_seqs"])
+    assert "block_size" not in kwargs and kwargs["max_num_seqs"] == TINY["max_num_seqs"]  # vLLM's own block size
     assert kwargs["enable_prefix_caching"] is False and kwargs["kv_cache_memory_bytes"] > 0
     assert built["bind"] == systems.vllm_thread_env(vllm.extra["threads"])["VLLM_CPU_OMP_THREADS_BIND"]
     notes = " ".join(report.tables["chat"].notes)
-    assert "vLLM 0.0-stand-in" in notes and "untimed" in notes
+    assert "vLLM 0.0-stand-in" in notes and "untimed" in notes and "blocks of 32 (vLLM's choice)" in notes
 
 
 def test_vllm_refused_with_what_to_do(tmp_path, monkeypatch, stand_in_vllm):
@@ -110,25 +115,29 @@ def test_a_failing_vllm_runner_is_an_error_with_its_output(tmp_path, monkeypatch
     workload = workloads.chat(None, 128, 2, 0, (5, 10), 4, (2, 6))
     with pytest.raises(RuntimeError, match="(?s)vLLM's runner failed.*the stand-in refuses to start"):
         systems.run_vllm(str(tiny_folder(tmp_path)), workload, dtype="float32", threads=1, max_num_seqs=8,
-                         max_num_batched_tokens=64, max_model_len=32, block_size=16, kv_cache_memory_bytes=1 << 20)
+                         max_num_batched_tokens=64, max_model_len=32, kv_cache_memory_bytes=1 << 20)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (Path.cwd() / systems.VLLM_VENV / ".vllm-installed").exists()
                     and not os.environ.get("PAGEDLAB_VLLM_PYTHON"), reason="no vLLM environment (make vllm-env)")
 def test_real_vllm_gives_hugging_faces_tokens(tmp_path):
-    """The real vLLM on a tiny model folder: its greedy tokens are Hugging Face's, as pagedlab's are."""
+    """The real vLLM on a tiny model folder: its greedy tokens are Hugging Face's, as pagedlab's are. (Head dim 64:
+    vLLM's CPU attention refuses the usual tiny model's 16.)"""
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedlab.bench import workloads
     from tests.helpers import hf_greedy
 
-    folder = tiny_folder(tmp_path)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                         initializer_range=0.1)).eval()
+    model.save_pretrained(tmp_path / "tiny-llama-64")
     workload = workloads.chat(None, 128, 4, 0, (5, 20), 6, (2, 10))
-    result = systems.run_vllm(str(folder), workload, dtype="float32", threads=1, max_num_seqs=8,
-                              max_num_batched_tokens=256, max_model_len=64, block_size=16,
-                              kv_cache_memory_bytes=1 << 26)
-    model = tiny_model()
+    result = systems.run_vllm(str(tmp_path / "tiny-llama-64"), workload, dtype="float32", threads=1, max_num_seqs=8,
+                              max_num_batched_tokens=256, max_model_len=64, kv_cache_memory_bytes=1 << 26)
     with torch.inference_mode():
         expected = [hf_greedy(model, [list(r.prompt_token_ids)], r.max_tokens)[0] for r in workload.requests]
     assert result.token_ids == expected and result.extra["load_s"] > 0
