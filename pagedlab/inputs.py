@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagedlab.config import EngineConfig
 from pagedlab.core.block_table import cdiv
+from pagedlab.core.scheduler_step import banned_until_min_tokens
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -109,7 +110,7 @@ class InputProcessor:
             raise ValueError(
                 f"SamplingParams.allowed_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        banned = set(banned_until_min_tokens(params, self.eos_token_ids))
         if params.min_tokens and params.allowed_token_ids is not None and banned >= set(params.allowed_token_ids):
             raise ValueError(
                 f"SamplingParams.allowed_token_ids {list(params.allowed_token_ids)[:5]} are all banned until "

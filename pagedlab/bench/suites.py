@@ -89,25 +89,20 @@ def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: in
     return fit, over
 
 
-def _run_vllm(bench, workload: workloads.Workload, num_slots: int):
+def _run_vllm(bench, workload: workloads.Workload, kv_cache_memory_bytes: int):
     """vLLM over the workload from the model's own folder, in the bench model's dtype and thread count, with
-    pagedlab's KV budget (in bytes), step budgets and block size."""
+    pagedlab's KV budget (in bytes) and step budgets. The block size is vLLM's own choice (its CPU attention takes
+    only some sizes, multiples of 32 here); the table's notes give it."""
     from pathlib import Path
-
-    from pagedlab.worker.kv_cache import KVCacheSpec
 
     folder = Path(str(getattr(bench.model, "name_or_path", "") or ""))
     if not (folder / "config.json").exists():
         raise ValueError("the vllm comparator loads the model from its folder: give the bench a model by name or "
                          f"path (this model's name_or_path is {str(folder)!r})")
-    param = next(bench.model.parameters())
-    bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, param.dtype).bytes_per_token
-    o = bench.options
-    return systems.run_vllm(
-        str(folder), workload, dtype=str(param.dtype).removeprefix("torch."), threads=bench.threads,
-        repeats=o.repeats, kv_cache_memory_bytes=num_slots * bytes_per_token,
-        **{k: v for k, v in _engine_options(bench, workload).items() if k not in ("seed", "block_size")}, seed=o.seed,
-    )  # vLLM's CPU attention takes only some block sizes (multiples of 32 here): its own choice, noted
+    options = {k: v for k, v in _engine_options(bench, workload).items() if k != "block_size"}
+    dtype = str(next(bench.model.parameters()).dtype).removeprefix("torch.")
+    return systems.run_vllm(str(folder), workload, dtype=dtype, threads=bench.threads, repeats=bench.options.repeats,
+                            kv_cache_memory_bytes=kv_cache_memory_bytes, **options)
 
 
 def system_table(bench, workload: workloads.Workload, name: str) -> list:
@@ -115,6 +110,8 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
     from pagedlab.worker.kv_cache import KVCacheSpec
 
     o = bench.options
+    param = next(bench.model.parameters())
+    bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, param.dtype).bytes_per_token
     paged = bench.run("pagedlab", lambda bar: systems.run_pagedlab(
         bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(bench, workload)))
     results = [paged]
@@ -142,7 +139,7 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                 bench.model, workload, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                 num_slots=num_slots, page_size=o.block_size, repeats=o.hf_repeats, bar=bar)))
         elif system == "vllm":
-            vllm = bench.run(system, lambda bar: _run_vllm(bench, workload, num_slots))
+            vllm = bench.run(system, lambda bar: _run_vllm(bench, workload, num_slots * bytes_per_token))
             results.append(vllm)
             extra = vllm.extra
             bench.note(name, f"vllm: vLLM {extra['version']} (CPU backend) in its own environment, "
@@ -152,8 +149,6 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                        f"budget in bytes and step budgets, blocks of {extra['block_size']} (vLLM's choice)")
         else:
             raise ValueError(f"unknown comparator {system!r}; choose from {', '.join(COMPARATORS)}")
-    param = next(bench.model.parameters())
-    bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, param.dtype).bytes_per_token
     roofline_batch = o.max_num_seqs
     table = Table(f"{name}: throughput per system", COLUMNS[name])
     for result in results:

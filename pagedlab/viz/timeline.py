@@ -107,10 +107,10 @@ def draw_timeline(trace: Trace, ax: Axes | None = None, arrivals: Mapping[str, i
         ax.set_yticks(range(len(table)), list(table), fontsize=7)
     else:  # too many rows to name: name each request, its forks under it, a line between requests
         root_of = roots(trace)
-        firsts = [row for row, rid in enumerate(table) if rid not in root_of]
-        ax.set_yticks(firsts, [list(table)[row] for row in firsts], fontsize=max(4, min(7, 320 / len(firsts))))
-        ax.hlines([row - 0.5 for row in firsts[1:]], *ax.get_xlim(), colors="#DDDDDD", linewidths=0.4, zorder=0,
-                  gid="timeline-groups")
+        firsts = {row: rid for row, rid in enumerate(table) if rid not in root_of}  # the requests' own rows
+        ax.set_yticks(list(firsts), list(firsts.values()), fontsize=max(4, min(7, 320 / len(firsts))))
+        ax.hlines([row - 0.5 for row in list(firsts)[1:]], *ax.get_xlim(), colors="#DDDDDD", linewidths=0.4,
+                  zorder=0, gid="timeline-groups")
     ax.set_xlabel("step")
     ax.set_ylabel("sequence")
     ax.set_title("requests over steps", fontsize=9)
