@@ -289,7 +289,7 @@ def test_multibyte_stream_on_smollm2(smollm2):
 @pytest.mark.parametrize("record_trace", [False, True])
 def test_retained_memory_does_not_grow(model, record_trace):
     """Thousands of requests through one engine: what it keeps between the first and the last thousand stays put."""
-    engine = LLMEngine(model, None, EngineConfig(block_size=1, num_kv_blocks=96, max_num_seqs=8,
+    engine = LLMEngine(model, None, EngineConfig(block_size=1, num_kv_blocks=96, max_num_seqs=8, max_trace_steps=200,
                                                  enable_prefix_caching=True, record_trace=record_trace))
     params = SamplingParams(temperature=0, max_tokens=3)
     prompts = random_prompts([3, 5, 8, 4] * 125, seed=2)

@@ -84,6 +84,20 @@ def test_the_sweep_takes_every_tile_of_every_kernel_once_per_target():
             assert sorted(swept) == sorted(tiles), (spec.id, arch)
 
 
+def test_the_stored_sweep_is_this_trees_and_the_readme_says_what_it_found():
+    """docs/kernels/tile_sweep.md (scripts/kernel_sweep.py, out of CI) compiled the cases tile_cases() gives now,
+    and the README counts the variants it found unfit."""
+    from pagedlab.kernels.aot_grid import cases_digest
+
+    sweep = (README.parent / "docs" / "kernels" / "tile_sweep.md").read_text()
+    assert f"Cases digest: `{cases_digest(tile_cases())}`" in sweep, "the tiles changed: run scripts/kernel_sweep.py"
+    unfit = int(re.search(r"Unfit variants: (\d+)\.", sweep).group(1))
+    assert len(re.findall(r"^- sm_\d+ ", sweep, re.M)) == unfit
+    said = re.search(r"Its last run found (\S+) of its ([\d,]+) variants unfit", README.read_text())
+    assert said, "the README does not say what the sweep found"
+    assert said.group(1) == ("no" if unfit == 0 else str(unfit)) and said.group(2) == f"{len(tile_cases()):,}"
+
+
 def test_grid_takes_every_value_for_every_kernel_and_target():
     cases = grid_cases()
     for spec in KERNELS:
