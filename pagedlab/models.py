@@ -84,8 +84,22 @@ def embedded_gguf_dir() -> Path:
 def embedded_model_dir() -> Path:
     """A folder holding the embedded model as safetensors, converting it from GGUF on first use."""
     target = cache_dir() / DEFAULT_MODEL
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _converted(target):
         return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{DEFAULT_MODEL}.lock")):  # processes starting together convert it once
+        if not _converted(target):
+            _convert_embedded(target)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+def _convert_embedded(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = embedded_gguf_dir()
@@ -95,13 +109,11 @@ def embedded_model_dir() -> Path:
     # The de-quantized weights are plain float32 tensors: drop the GGUF quantization marker to save them.
     del model.config.quantization_config
     model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)  # atomic: a half-written cache is never taken for a whole one
-    return target
 
 
 def load_model(model, tokenizer, dtype="auto", device="auto"):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -227,3 +230,30 @@ def test_no_chapter_stores_an_error_output():
         for index, cell in enumerate(json.loads(path.read_text())["cells"]):
             errors = [out for out in cell.get("outputs", []) if out["output_type"] == "error"]
             assert not errors, f"{path.name} cell {index} stores {errors[0]['ename']}: {errors[0]['evalue']}"
+
+
+def test_processes_starting_together_convert_the_embedded_model_once(tmp_path):
+    """Three processes ask for the embedded model's folder at once (chapters and test workers do, on a fresh
+    machine): one converts it, the others wait for it, and none deletes a folder another is reading."""
+    script = textwrap.dedent("""
+        import sys, time
+        import pagedlab.models as models
+
+        def convert(target):  # stands in for the minute-long GGUF conversion
+            time.sleep(1.0)
+            target.mkdir(parents=True)
+            (target / "config.json").write_text("{}")
+            (target / "model.safetensors").write_text("")
+            with open(sys.argv[1], "a") as log:
+                log.write("converted\\n")
+
+        models._convert_embedded = convert
+        print(models.embedded_model_dir())
+    """)
+    log = tmp_path / "conversions.log"
+    env = {**os.environ, "PAGEDLAB_CACHE": str(tmp_path / "cache")}
+    processes = [subprocess.Popen([sys.executable, "-c", script, str(log)], env=env, stdout=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+    outputs = [p.communicate(timeout=120)[0] for p in processes]
+    assert all(p.returncode == 0 for p in processes), outputs
+    assert log.read_text().count("converted") == 1

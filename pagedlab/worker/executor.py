@@ -1,9 +1,10 @@
 """The device side over N processes, behind the `Worker`'s interface: vLLM V1's `MultiprocExecutor`.
 
 The driver (the engine's process: scheduler, block manager, outputs) starts one process per rank
-(`tp_worker.worker_main`), hosts the store through which they find each other, and at every step sends all of them
-the same pickled `SchedulerOutput` (a broadcast over pipes); each rank applies the block moves to its own KV pool
-and runs its shard; rank 0 sends the step's `ModelRunnerOutput` back. A rank that dies, raises or does not answer
+(`tp_worker.worker_main`): P pipeline stages of T tensor-parallel ranks, rank = stage x T + position. It hosts the
+store through which they find each other, and at every step sends all of them the same pickled `SchedulerOutput`
+(a broadcast over pipes); each rank applies the block moves to its own KV pool and runs its shard of its stage;
+the first rank of the last stage sends the step's `ModelRunnerOutput` back. A rank that dies, raises or does not answer
 within `distributed_timeout` stops every rank and raises `TensorParallelError`. `shutdown()`, garbage collection
 of the executor and the end of the interpreter all stop the ranks and wait for them.
 
@@ -38,12 +39,14 @@ START_METHOD_VARIABLE = "PAGEDLAB_WORKER_MULTIPROC_METHOD"  # forkserver (defaul
 
 
 class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank died, raised or hung; every rank has been stopped."""
+    """A tensor- or pipeline-parallel rank died, raised or hung; every rank has been stopped."""
 
 
-def refuse_model_object(size: int) -> None:
+def refuse_model_object(config: EngineConfig) -> None:
+    sizes = [f"{name}_parallel_size={size}" for name, size in
+             (("tensor", config.tensor_parallel_size), ("pipeline", config.pipeline_parallel_size)) if size > 1]
     raise ValueError(
-        f"tensor_parallel_size={size} needs the model as a folder or Hub id: each rank loads its own shard in its "
+        f"{' and '.join(sizes)} needs the model as a folder or Hub id: each rank loads its own shard in its "
         f"own process, and a model object lives in this one; save it (model.save_pretrained(folder)) and pass "
         f"the folder"
     )
@@ -60,9 +63,11 @@ def launch(model, tokenizer, dtype, device, config: EngineConfig):
     weights); under torchrun it is this rank's shard."""
     from transformers import AutoConfig, PreTrainedModel
 
+    from pagedlab.worker.pipeline_parallel import check_pipeline_parallel_size, layer_partition
+
     size = config.tensor_parallel_size
     if isinstance(model, PreTrainedModel):
-        refuse_model_object(size)
+        refuse_model_object(config)
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a name, a path or a transformers PreTrainedModel, got {type(model).__name__}")
     device, path = resolve_device(device), model_path(model)
@@ -70,11 +75,22 @@ def launch(model, tokenizer, dtype, device, config: EngineConfig):
     hf_config = AutoConfig.from_pretrained(path)
     check_supported(hf_config)
     check_tensor_parallel_size(hf_config, size)  # before any process starts
-    if device.type == "cuda" and torch.cuda.device_count() < size:
+    check_pipeline_parallel_size(hf_config, config.pipeline_parallel_size, config.pipeline_layer_partition)
+    world = config.world_size
+    if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(
-            f"tensor_parallel_size={size} needs {size} CUDA devices; torch sees {torch.cuda.device_count()}"
+            f"{world} ranks (pipeline_parallel_size x tensor_parallel_size) need {world} CUDA devices; torch sees "
+            f"{torch.cuda.device_count()}"
         )
     tokenizer = load_tokenizer(path, tokenizer)
+    if config.pipeline_parallel_size > 1:
+        if under_torchrun():
+            raise ValueError("pipeline_parallel_size > 1 runs under pagedlab's own executor, not torchrun: under "
+                             "torchrun every rank runs its own scheduler, and only the last stage sees the tokens")
+        bounds = layer_partition(hf_config.num_hidden_layers, config.pipeline_parallel_size,
+                                 config.pipeline_layer_partition)
+        logger.info("pipeline stages (layers [start, stop)): %s", ", ".join(
+            f"stage {stage}: {start}-{stop}" for stage, (start, stop) in enumerate(bounds)))
     if under_torchrun():
         from pagedlab.worker.tp_worker import RankWorker, init_distributed
 
@@ -125,7 +141,9 @@ class MultiprocExecutor:
 
         from pagedlab.worker.tp_worker import RankInfo, worker_main
 
-        self.size, self.timeout = config.tensor_parallel_size, config.distributed_timeout
+        self.size, self.timeout = config.world_size, config.distributed_timeout
+        # the rank whose step outputs come back: the first of the last stage (the only stage that samples)
+        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self._failure: str | None = None
         # The ranks meet at a store this process hosts, on a free port: nothing to configure, no port to collide.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -137,7 +155,7 @@ class MultiprocExecutor:
             rank_device = torch.device("cuda", rank) if device.type == "cuda" else device
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=worker_main, name=f"pagedlab-tp-rank{rank}", daemon=True,
+                target=worker_main, name=f"pagedlab-rank{rank}", daemon=True,
                 args=(rank, self.size, path, dtype, rank_device, config, ("127.0.0.1", self._store.port), theirs,
                       num_threads),
             )
@@ -147,9 +165,10 @@ class MultiprocExecutor:
             self.connections.append(ours)
         self.ranks: list[RankInfo] = self._gather("start-up")
         first = self.ranks[0]
-        self.info = WorkerInfo(  # a block's bytes over all ranks
-            first.num_blocks, first.num_cpu_blocks, first.bytes_per_block * self.size, first.max_model_len,
-            first.attention_backend, first.cost_model,
+        bytes_per_block = sum(rank.bytes_per_block for rank in self.ranks)  # a block's bytes over all ranks
+        self.info = WorkerInfo(
+            first.num_blocks, first.num_cpu_blocks, bytes_per_block, first.max_model_len, first.attention_backend,
+            first.cost_model,
         )
         self.cpu_kv_cache = None
         if PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE:
@@ -158,8 +177,9 @@ class MultiprocExecutor:
     # -- the Executor's interface (pagedlab.core.executor) -----------------------------------------------------
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every rank; rank 0's output comes back (the others computed the same)."""
-        return self.collective_rpc("execute_model", output)[0]
+        """Send the step to every rank; the output rank's comes back (the last stage's others computed the same,
+        the earlier stages none)."""
+        return self.collective_rpc("execute_model", output)[self.output_rank]
 
     def shutdown(self) -> None:
         """Stop every rank and wait for it (safe to call twice)."""

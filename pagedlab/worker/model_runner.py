@@ -90,6 +90,9 @@ class ModelRunner:
         self.kv_scales = KVScales.ones(spec.num_layers, spec.dtype, self.device) if is_quantized(spec.dtype) else None
         self.sampler = Sampler(seed, self.device)
         self.decode_graphs: DecodeGraphs | None = None
+        # False on a pipeline stage before the last (`pagedlab.worker.pipeline_parallel`): its forward pass sends
+        # the hidden states on, and there is nothing to sample
+        self.last_stage = True
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, graph_class: type = CudaGraph) -> bool:
         """Record decode steps as CUDA graphs (`pagedlab.worker.cuda_graph`); False if that failed (eager then).
@@ -149,6 +152,8 @@ class ModelRunner:
                 context = PagedAttentionContext(metadata, self.kv_cache, self.attention_backend, self.kv_scales)
                 keep = torch.tensor(sample_rows + verify_rows + prompt_rows, dtype=torch.long, device=self.device)
                 logits = self._forward(input_ids, positions, context, keep)
+            if not self.last_stage:
+                return ModelRunnerOutput()
             if prompt_rows:
                 logits, prompt_logits = logits[: -len(prompt_rows)], logits[-len(prompt_rows) :]
             if verify_rows:

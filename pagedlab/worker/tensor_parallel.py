@@ -181,7 +181,7 @@ STYLES = {"colwise": ColumnParallel, "rowwise": RowParallel}
 REPLICATED = ("replicated_with_grad_allreduce", "replicate")  # e.g. Qwen3's per-head q_norm/k_norm: kept whole
 
 
-def tensor_parallel_plan(model: nn.Module, stats: CollectiveStats) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(model: nn.Module, stats: CollectiveStats, size: int) -> dict[str, ParallelStyle]:
     """The family's `base_model_tp_plan` from transformers, as PyTorch styles, plus the vocabulary split.
 
     The embedding and head are split only when the vocabulary divides evenly; otherwise each rank keeps them
@@ -198,7 +198,7 @@ def tensor_parallel_plan(model: nn.Module, stats: CollectiveStats) -> dict[str, 
         if name not in STYLES:
             raise ValueError(f"pagedlab cannot apply the tensor-parallel style {name!r} (of {pattern!r})")
         plan[f"{base}.{pattern}"] = STYLES[name](stats, shards)
-    world_size = dist.get_world_size()
+    world_size = size
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if embedding.num_embeddings % world_size == 0 and head.out_features % world_size == 0:
         names = {module: name for name, module in model.named_modules()}
@@ -210,7 +210,7 @@ def tensor_parallel_plan(model: nn.Module, stats: CollectiveStats) -> dict[str, 
 def shard_model(model: nn.Module, mesh, stats: CollectiveStats) -> nn.Module:
     """Cut `model` (loaded whole on every rank) down to this rank's shard, in place."""
     check_tensor_parallel_size(model.config, mesh.size())
-    return parallelize_module(model, mesh, tensor_parallel_plan(model, stats))
+    return parallelize_module(model, mesh, tensor_parallel_plan(model, stats, mesh.size()))
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ class Worker:
     heads."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
-        if config.tensor_parallel_size > 1 and kv_cache_spec is None:
+        if config.world_size > 1 and kv_cache_spec is None:
             from pagedlab.worker.executor import refuse_model_object
 
-            refuse_model_object(config.tensor_parallel_size)
+            refuse_model_object(config)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -107,8 +107,11 @@ class Worker:
         try:
             return runner.execute(output.scheduled)
         except Exception as exc:
-            if len({s.group_id for s in output.scheduled}) == 1:
-                return ModelRunnerOutput(errors={output.scheduled[0].group_id: _message(exc)})
+            groups = {s.group_id for s in output.scheduled}
+            if len(groups) == 1 or self.config.pipeline_parallel_size > 1:
+                # A pipeline stage cannot retry one request at a time: the other stages ran the batch once. (A
+                # stage whose forward pass failed leaves the next one waiting: the executor's timeout ends it.)
+                return ModelRunnerOutput(errors={group: _message(exc) for group in groups})
         sampler.set_state(state)  # undo the draws of the failed batch: each request draws once
         merged, errors = ModelRunnerOutput(), {}
         for scheduled in output.scheduled:

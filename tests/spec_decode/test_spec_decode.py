@@ -350,7 +350,7 @@ def test_smollm2_greedy_matches_hf(smollm2):
 
 def test_a_draft_model_does_not_combine_with_tensor_parallelism():
     spec = {"method": "draft_model", "model": "any", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="does not combine with tensor_parallel_size > 1; use method 'ngram'"):
+    with pytest.raises(ValueError, match="does not combine with tensor_parallel_size or pipeline_parallel_size > 1"):
         EngineConfig(speculative_config=spec, tensor_parallel_size=2)
 
 

@@ -1,0 +1,125 @@
+"""Step time and each stage's busy share at pipeline_parallel_size 1, 2, ... on this machine (one batch in flight:
+the bubble, measured), and the same cut on paper for a GPU-sized model.
+
+    .venv/bin/python scripts/bench_pipeline_parallel.py                       # a random Llama, 1, 2 and 4 stages
+    .venv/bin/python scripts/bench_pipeline_parallel.py --model smollm2 --sizes 1 2 3
+
+Every size's engine is built first, then the sizes take turns running the same seeded greedy workload
+(`--repeats` rounds, medians reported), so that the machine's load falls on all of them alike. A step's time is
+the driver's wall time around `LLMEngine.step()`. A stage's busy time is its time in `execute_model` less the
+time it waited to receive the previous stage's hidden states (`StageStats`); its share is that over the steps'
+total wall time. Each of P stages gets `--threads / P` threads (at least one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from pagedlab import SamplingParams
+from pagedlab.engine import LLMEngine
+from pagedlab.worker.pipeline_parallel import pipeline_cost
+
+GPU_EXAMPLE = dict(  # Llama-3-70B's shapes (no weights needed for arithmetic)
+    hidden_size=8192, num_hidden_layers=80, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+    vocab_size=128256, tie_word_embeddings=False,
+)
+
+
+def random_llama(folder: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def run(engine: LLMEngine, prompts, max_tokens: int) -> tuple[list[float], list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+    times, tokens = [], {}
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        tokens.update({o.request_id.split("-")[0]: o.outputs[0].token_ids for o in outputs if o.finished})
+    return times, [list(tokens[f"r{i}"]) for i in range(len(prompts))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a folder, 'smollm2' (embedded), or none: a random Llama")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    model = None if args.model == "smollm2" else args.model or random_llama(tempfile.mkdtemp())
+    config = dict(block_size=16, num_kv_blocks=(args.prompt_len + args.max_tokens) // 16 * args.num_requests + 16,
+                  preemption_mode="recompute", dtype="float32")
+    torch.set_num_threads(args.threads)  # a stage process takes its share of them (pagedlab.worker.executor)
+    engines = {n: LLMEngine.from_pretrained(model, pipeline_parallel_size=n, **config) for n in args.sizes}
+    generator = torch.Generator().manual_seed(0)
+    vocab = engines[args.sizes[0]].model.config.vocab_size
+    prompts = torch.randint(0, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
+    step_ms = {n: [] for n in args.sizes}
+    busy = {n: [] for n in args.sizes}  # per round: each stage's busy share
+    sent = {n: [] for n in args.sizes}  # per round: KiB sent per step by stage 0
+    results = {}
+    for engine in engines.values():  # warm-up (first-touch allocations), untimed
+        run(engine, prompts[:2], 2)
+    for _ in range(args.repeats):
+        for n, engine in engines.items():
+            if n > 1:
+                engine.worker.collective_rpc("pipeline_stats", True)
+            times, results[n] = run(engine, prompts, args.max_tokens)
+            step_ms[n].append(1e3 * statistics.median(times))
+            if n > 1:
+                stats = engine.worker.collective_rpc("pipeline_stats", True)
+                busy[n].append([s.busy_s / sum(times) for s in stats])
+                sent[n].append(stats[0].bytes_sent / 1024 / len(times))
+    hf_config = engines[args.sizes[0]].model.config
+    print(f"model: {hf_config.num_hidden_layers} layers, hidden {hf_config.hidden_size}, "
+          f"{hf_config.num_attention_heads}/{hf_config.num_key_value_heads} heads, vocab {hf_config.vocab_size}; "
+          f"{args.num_requests} requests x {args.prompt_len} prompt + {args.max_tokens} tokens, float32, "
+          f"{args.threads} threads in all; medians of {args.repeats} rounds (range)")
+    print(f"{'stages':>6} {'step ms':>20} {'busy share per stage':>32} {'KiB sent/step':>14} "
+          f"{'KV MiB per stage':>22} {'same tokens':>12}")
+    first = args.sizes[0]
+    for n, engine in engines.items():
+        ms = step_ms[n]
+        step = f"{statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f})"
+        if n > 1:
+            shares = " ".join(f"{100 * statistics.median(r[s] for r in busy[n]):.0f}%" for s in range(n))
+            kib = f"{statistics.median(sent[n]):.0f}"
+            kv = " ".join(f"{b / 2**20:.1f}" for b in engine.worker.collective_rpc("kv_cache_bytes"))
+        else:
+            shares, kib, kv = "-", "0", f"{engine.worker.model_runner.kv_cache.nbytes / 2**20:.1f}"
+        print(f"{n:>6} {step:>20} {shares:>32} {kib:>14} {kv:>22} {str(results[n] == results[first]):>12}")
+    for engine in engines.values():
+        engine.shutdown()
+
+    from transformers import LlamaConfig
+
+    paper = LlamaConfig(**GPU_EXAMPLE)
+    print("\nOn paper, Llama-3-70B in bfloat16 (2 bytes a value), one batch in flight:")
+    print(f"{'stages':>6} {'weights GiB/stage (first, last)':>32} {'KV KiB/token/stage':>19} "
+          f"{'KiB/token sent':>15} {'bubble':>7}")
+    for n in (1, 2, 4, 8):
+        c = pipeline_cost(paper, n)
+        weights = f"{c.weight_bytes_per_stage[0] / 2**30:.1f}, {c.weight_bytes_per_stage[-1] / 2**30:.1f}"
+        print(f"{n:>6} {weights:>32} {c.kv_bytes_per_token_per_stage[0] / 1024:>19.0f} "
+              f"{c.bytes_sent_per_token / 1024 if n > 1 else 0:>15.0f} {c.bubble_fraction:>7.0%}")
+
+
+if __name__ == "__main__":
+    main()
