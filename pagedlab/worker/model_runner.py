@@ -77,7 +77,7 @@ def _row_order(scheduled: ScheduledRequest) -> tuple[bool, int]:
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, seed: int,
-        attention_backend: str = "torch",
+        attention_backend: str = "torch", last_stage: bool = True,
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend
@@ -92,7 +92,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # False on a pipeline stage before the last (`pagedlab.worker.pipeline_parallel`): its forward pass sends
         # the hidden states on, and there is nothing to sample
-        self.last_stage = True
+        self.last_stage = last_stage
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, graph_class: type = CudaGraph) -> bool:
         """Record decode steps as CUDA graphs (`pagedlab.worker.cuda_graph`); False if that failed (eager then).

@@ -103,8 +103,7 @@ class RankWorker:
         dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)  # over every rank of every stage
         # CUDA graphs would have to record the collectives too: parallel steps run eagerly.
         rank_config = dataclasses.replace(config, num_kv_blocks=int(num_blocks), enforce_eager=True)
-        self.worker = Worker(self.model, rank_config, kv_cache_spec=spec)
-        self.worker.model_runner.last_stage = self.stage == len(bounds) - 1
+        self.worker = Worker(self.model, rank_config, kv_cache_spec=spec, last_stage=self.stage == len(bounds) - 1)
         shared = [self.worker.cost_model]
         dist.broadcast_object_list(shared, src=0)
         self.worker.cost_model = shared[0]

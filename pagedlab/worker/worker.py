@@ -31,10 +31,11 @@ logger = logging.getLogger("pagedlab")
 
 class Worker:
     """The device side in this process (an `Executor`, `pagedlab.core.executor`). `kv_cache_spec`: the KV cache's
-    shape, by default the model's; a tensor-parallel rank (`pagedlab.worker.tp_worker`) passes its share of the
-    heads."""
+    shape, by default the model's; a parallel rank (`pagedlab.worker.tp_worker`) passes its share of the heads
+    and layers, and `last_stage=False` on a pipeline stage before the last (it samples nothing)."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_cache_spec: KVCacheSpec | None = None,
+                 last_stage: bool = True) -> None:
         if config.world_size > 1 and kv_cache_spec is None:
             from pagedlab.worker.executor import refuse_model_object
 
@@ -49,7 +50,7 @@ class Worker:
         self.bytes_per_block = self.spec.bytes_per_block(config.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.spec.dtype)
         self.model_runner = ModelRunner(
-            model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend
+            model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend, last_stage
         )
         graphs = not config.enforce_eager and self.model_runner.kv_scales is None  # fp8: eager (graphs unchecked)
         if self.device.type == "cuda" and self.attention_backend == "triton" and graphs:

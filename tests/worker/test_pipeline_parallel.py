@@ -149,6 +149,17 @@ def test_ngram_speculation_in_two_stages_equals_hugging_face(folders):
             speculative_config={"method": "draft_model", "model": "any", "num_speculative_tokens": 2})
 
 
+def test_auto_preemption_measures_its_costs_on_every_stage(folders):
+    """"auto" times a swap and a prefill at start-up: every stage runs the same passes (the sends and receives
+    pair up), and the first stage's measurement, shared with all, decides."""
+    models, paths = folders
+    prompts = prompts_with_shared_prefix()
+    with LLM(paths["llama"], pipeline_parallel_size=2, **dict(CONFIG, preemption_mode="auto")) as llm:
+        assert llm.llm_engine.cost_model is not None
+        assert greedy(llm, prompts) == hf_greedy(models["llama"], prompts, MAX_TOKENS)
+        assert llm.stats().num_preemptions > 0
+
+
 def test_a_lost_stage_ends_in_an_error_in_bounded_time(folders):
     _, paths = folders
     llm = LLM(paths["llama"], pipeline_parallel_size=2, block_size=4, num_kv_blocks=16, distributed_timeout=5.0)
