@@ -109,8 +109,10 @@ class EngineConfig:
         self._check_choices()
         partition = self.pipeline_layer_partition
         if partition is not None:
-            if isinstance(partition, (str, bytes)) or not hasattr(partition, "__len__"):
-                raise ValueError(f"pipeline_layer_partition must be a list of layer counts, got {partition!r}")
+            if (isinstance(partition, (str, bytes)) or not hasattr(partition, "__len__")
+                    or not all(is_int(count) and count >= 1 for count in partition)):
+                raise ValueError(f"pipeline_layer_partition must be a list of layer counts of at least 1, one per "
+                                 f"stage, got {partition!r}")
             object.__setattr__(self, "pipeline_layer_partition", tuple(partition))
             if len(partition) != self.pipeline_parallel_size:
                 raise ValueError(f"pipeline_layer_partition gives {len(partition)} stages; pipeline_parallel_size is "

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.beam_search import BeamSearchParams
+from pagedlab.config import EngineConfig
 from pagedlab.worker.executor import TensorParallelError
 from pagedlab.worker.pipeline_parallel import layer_partition, pipeline_cost
 from tests.helpers import TINY_CONFIG, hf_greedy, random_prompts
@@ -134,6 +135,9 @@ def test_bad_configurations_are_refused_before_anything_starts(folders):
         LLM(paths["llama"], pipeline_parallel_size=2, pipeline_layer_partition=[4, 0])
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
         LLM(paths["llama"], pipeline_parallel_size=0)
+    for partition in (("a",), [2.0, 2], "22", 4):  # checked when the config is made, before any model
+        with pytest.raises(ValueError, match="pipeline_layer_partition must be a list of layer counts"):
+            EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=partition)
 
 
 def test_ngram_speculation_in_two_stages_equals_hugging_face(folders):
