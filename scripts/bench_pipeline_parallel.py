@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
+from bench_tensor_parallel import random_llama, run  # this folder, as scripts run: the same model and workload
 
-from pagedlab import SamplingParams
 from pagedlab.engine import LLMEngine
 from pagedlab.worker.pipeline_parallel import pipeline_cost
 
@@ -28,29 +27,6 @@ GPU_EXAMPLE = dict(  # Llama-3-70B's shapes (no weights needed for arithmetic)
     hidden_size=8192, num_hidden_layers=80, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
     vocab_size=128256, tie_word_embeddings=False,
 )
-
-
-def random_llama(folder: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-def run(engine: LLMEngine, prompts, max_tokens: int) -> tuple[list[float], list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
-    times, tokens = [], {}
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        outputs = engine.step()
-        times.append(time.perf_counter() - start)
-        tokens.update({o.request_id.split("-")[0]: o.outputs[0].token_ids for o in outputs if o.finished})
-    return times, [list(tokens[f"r{i}"]) for i in range(len(prompts))]
 
 
 def main() -> None:

@@ -139,11 +139,10 @@ class MultiprocExecutor:
     def __init__(self, path, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         import torch.distributed as dist
 
-        from pagedlab.worker.tp_worker import RankInfo, worker_main
+        from pagedlab.worker.tp_worker import RankInfo, output_rank, worker_main
 
         self.size, self.timeout = config.world_size, config.distributed_timeout
-        # the rank whose step outputs come back: the first of the last stage (the only stage that samples)
-        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.output_rank = output_rank(config)
         self._failure: str | None = None
         # The ranks meet at a store this process hosts, on a free port: nothing to configure, no port to collide.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -22,11 +22,13 @@ up, so on one machine this is slower than one process; it is how a model too big
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from pagedlab.worker.tensor_parallel import Counters
 
 
 def layer_partition(num_layers: int, size: int, partition=None) -> list[tuple[int, int]]:
@@ -43,26 +45,20 @@ def layer_partition(num_layers: int, size: int, partition=None) -> list[tuple[in
 
 
 def check_pipeline_parallel_size(config, size: int, partition=None) -> None:
-    """A ValueError naming the problem if `size` stages (and `partition`) cannot cut this model."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {size!r}")
+    """A ValueError naming the problem if `size` stages (and `partition`) cannot cut this model. (EngineConfig
+    has checked that both are well formed: an integer >= 1, and as many counts >= 1 as stages.)"""
     num_layers = config.num_hidden_layers
     if size > num_layers:
         raise ValueError(
             f"pipeline_parallel_size={size} exceeds the model's {num_layers} layers: every stage needs a layer"
         )
-    if partition is not None:
-        counts = list(partition)
-        if len(counts) != size or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts):
-            raise ValueError(f"pipeline_layer_partition must give {size} layer counts of at least 1 (one per "
-                             f"stage), got {partition!r}")
-        if sum(counts) != num_layers:
-            raise ValueError(f"pipeline_layer_partition {counts} covers {sum(counts)} layers; the model has "
-                             f"{num_layers}")
+    if partition is not None and sum(partition) != num_layers:
+        raise ValueError(f"pipeline_layer_partition {list(partition)} covers {sum(partition)} layers; the model has "
+                         f"{num_layers}")
 
 
 @dataclass
-class StageStats:
+class StageStats(Counters):
     """One rank's pipeline traffic and time since the last reset: tensors and bytes sent on and received, the
     seconds its steps took (`execute_s`, the block moves included) and of those, the seconds it waited for the
     previous stage's hidden states (`receive_wait_s`). Busy time is the difference; with one batch in flight a
@@ -78,13 +74,6 @@ class StageStats:
     @property
     def busy_s(self) -> float:
         return self.execute_s - self.receive_wait_s
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, f.default)
-
-    def snapshot(self) -> StageStats:
-        return StageStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 class ReceiveHidden(nn.Module):

@@ -50,7 +50,19 @@ def check_tensor_parallel_size(config, size: int) -> None:
 
 
 @dataclass
-class CollectiveStats:
+class Counters:
+    """Counters a rank keeps between resets; `snapshot` copies them to send to the driver."""
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def snapshot(self):
+        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass
+class CollectiveStats(Counters):
     """One rank's communication since the last reset: how many collectives, how many bytes, how long they blocked.
 
     Times are wall time around each blocking call, so they include waiting for the slowest rank; on CUDA the calls
@@ -62,13 +74,6 @@ class CollectiveStats:
     num_all_gather: int = 0
     all_gather_bytes: int = 0
     all_gather_s: float = 0.0
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, f.default)
-
-    def snapshot(self) -> CollectiveStats:
-        return CollectiveStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def all_reduce(self, tensor: torch.Tensor, group) -> None:
         start = time.perf_counter()

@@ -73,6 +73,11 @@ def init_distributed(rank: int, size: int, device: torch.device, store=None, tim
                             mesh_dim_names=("pp", "tp"))
 
 
+def output_rank(config: EngineConfig) -> int:
+    """The rank whose step outputs go back to the driver: the first of the last stage, the only stage that samples."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
+
 class RankWorker:
     """This rank's sharded model and its `Worker`; the driver's messages are its methods."""
 
@@ -176,8 +181,8 @@ def worker_main(rank: int, size: int, model_path, dtype, device, config, store_a
         host, port = store_addr
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.distributed_timeout))
         mesh = init_distributed(rank, size, device, store, config.distributed_timeout, config.pipeline_parallel_size)
-        output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         ranked = RankWorker(model_path, dtype, device, config, mesh)
+        replies_outputs = output_rank(config)
         conn.send_bytes(pickle.dumps(("ok", ranked.info())))
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -191,7 +196,7 @@ def worker_main(rank: int, size: int, model_path, dtype, device, config, store_a
             break
         try:
             result = getattr(ranked, method)(*args)
-            reply = ("ok", None if method == "execute_model" and rank != output_rank else result)
+            reply = ("ok", None if method == "execute_model" and rank != replies_outputs else result)
         except BaseException:
             reply = ("error", traceback.format_exc())
         try:

@@ -16,8 +16,7 @@ import time
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from pagedlab import LLM, SamplingParams
-from pagedlab.beam_search import BeamSearchParams
+from pagedlab import LLM
 from pagedlab.config import EngineConfig
 from pagedlab.worker.executor import TensorParallelError
 from pagedlab.worker.pipeline_parallel import layer_partition, pipeline_cost
@@ -25,8 +24,8 @@ from tests.helpers import TINY_CONFIG, hf_greedy, random_prompts
 from tests.worker.test_tensor_parallel import (
     CONFIG,
     MAX_TOKENS,
-    _ids,
     alive,
+    assert_samples_and_beams_equal,
     greedy,
     prompts_with_shared_prefix,
     rank_pids,
@@ -89,17 +88,7 @@ def test_stages_equal_one_process_and_hugging_face(folders, family, stages, tp, 
     assert stats.num_used_blocks == 0 and stats.num_used_cpu_blocks == 0
 
     # parallel sampling and beam search: the same sequences as one process (only the last stage samples)
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
-
-    def samples(engine: LLM) -> list[list[list[int]]]:
-        outputs = engine.generate(_ids(prompts[:3]), params, use_tqdm=False)
-        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
-
-    assert samples(llm) == samples(one)
-    beams = BeamSearchParams(beam_width=3, max_tokens=8)
-    assert [[s.tokens for s in o.sequences] for o in llm.beam_search(_ids(prompts[:2]), beams)] == [
-        [s.tokens for s in o.sequences] for o in one.beam_search(_ids(prompts[:2]), beams)
-    ]
+    assert_samples_and_beams_equal(llm, one, prompts)
 
     # one block table for every stage: the same block count; each rank's pool holds its stage's layers (and its
     # heads), so its bytes are that share of one process's pool

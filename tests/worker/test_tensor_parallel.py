@@ -50,6 +50,21 @@ def _ids(prompts):
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+def assert_samples_and_beams_equal(llm: LLM, one: LLM, prompts) -> None:
+    """Parallel sampling (n = 3, seeded) and beam search give the sequences of one process."""
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
+
+    def samples(engine: LLM) -> list[list[list[int]]]:
+        outputs = engine.generate(_ids(prompts[:3]), params, use_tqdm=False)
+        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+    assert samples(llm) == samples(one)
+    beams = BeamSearchParams(beam_width=3, max_tokens=8)
+    assert [[s.tokens for s in o.sequences] for o in llm.beam_search(_ids(prompts[:2]), beams)] == [
+        [s.tokens for s in o.sequences] for o in one.beam_search(_ids(prompts[:2]), beams)
+    ]
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
     try:
@@ -91,17 +106,7 @@ def test_two_ranks_equal_one_and_hugging_face(folders, family, mode):
     assert getattr(stats, f"num_preemptions_{mode}") > 0
     assert stats.num_used_blocks == 0 and stats.num_used_cpu_blocks == 0
 
-    # parallel sampling and beam search: the same sequences as one process
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
-    def samples(engine: LLM) -> list[list[list[int]]]:
-        outputs = engine.generate(_ids(prompts[:3]), params, use_tqdm=False)
-        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
-
-    assert samples(llm) == samples(one)
-    beams = BeamSearchParams(beam_width=3, max_tokens=8)
-    assert [[s.tokens for s in o.sequences] for o in llm.beam_search(_ids(prompts[:2]), beams)] == [
-        [s.tokens for s in o.sequences] for o in one.beam_search(_ids(prompts[:2]), beams)
-    ]
+    assert_samples_and_beams_equal(llm, one, prompts)
 
     # each rank holds half of every block: the same block count, half the heads, half the bytes
     executor = llm.llm_engine.worker
