@@ -36,7 +36,6 @@ GROUPS = (1, 2, 3, 4, 5, 7, 8, 16)  # query heads per KV head: MHA, ..., Llama-3
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # 80 and 96 are not powers of two; 256 is the wrappers' limit
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # every block size the engine accepts
 WINDOWS = (False, True)
-INDEX_DTYPES = ("int32", "int64")  # block tables and context lengths: int64 eager, int32 in CUDA graphs
 KV_HEADS = (1, 2, 3, 8, 40)
 KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # an FP8 cache's formats (kv_cache_dtype "fp8_e4m3", "fp8_e5m2")
 
@@ -91,9 +90,10 @@ class KernelSpec:
         return [{"dtype": dtype, **big} for dtype in self.axes["dtype"]]
 
 
-_DECODE_AXES = dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS,
-                    index_dtype=INDEX_DTYPES)
-_INDEX = dict(block_tables_ptr="index_dtype", context_lens_ptr="index_dtype")
+_DECODE_AXES = dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS)
+# block tables, lengths and row offsets: int32 whatever the caller passed (the wrappers' `as_index`)
+_INDEX = dict(block_tables_ptr="int32", context_lens_ptr="int32")
+_PREFILL_INDEX = dict(block_tables_ptr="int32", query_start_loc_ptr="int32", num_context_ptr="int32")
 _SCALES = dict(kv_scales_ptr="float32")  # a float8 cache's K and V scales (read by the FP8 variants only)
 _FP8_CACHE = dict(key_cache_ptr="kv_dtype", value_cache_ptr="kv_dtype")
 # 16-bit models only, as vLLM runs an FP8 cache; a float32 model over a float8 cache compiles too, but at head
@@ -109,13 +109,11 @@ KERNELS = (
     KernelSpec("paged_decode_split_kernel", "paged_decode", _DECODE_AXES, lambda case: _decode(case, split_k=True),
                {**_INDEX, **_PARTIALS, **_SCALES}, uses_dot=True),
     KernelSpec("paged_decode_reduce_kernel", "paged_decode",
-               dict(dtype=DTYPES, head_dim=HEAD_DIMS, window=WINDOWS, index_dtype=INDEX_DTYPES), _reduce,
-               {"context_lens_ptr": "index_dtype", **_PARTIALS}),
+               dict(dtype=DTYPES, head_dim=HEAD_DIMS, window=WINDOWS), _reduce,
+               {"context_lens_ptr": "int32", **_PARTIALS}),
     KernelSpec("paged_prefill_kernel", "paged_prefill",
-               dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS,
-                    index_dtype=INDEX_DTYPES),
-               _prefill, dict(block_tables_ptr="index_dtype", query_start_loc_ptr="index_dtype",
-                              num_context_ptr="index_dtype", **_SCALES), uses_dot=True),
+               dict(dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, window=WINDOWS),
+               _prefill, {**_PREFILL_INDEX, **_SCALES}, uses_dot=True),
     # the same kernels over a float8 cache (KV_FP8): the query and output in the model's dtype
     KernelSpec("paged_decode_kernel", "paged_decode", _FP8_DECODE_AXES, _decode, {**_INDEX, **_SCALES, **_FP8_CACHE},
                uses_dot=True, label="paged_decode_kernel" + _FP8, archs=FP8_ARCHS),
@@ -123,8 +121,8 @@ KERNELS = (
                lambda case: _decode(case, split_k=True), {**_INDEX, **_PARTIALS, **_SCALES, **_FP8_CACHE},
                uses_dot=True, label="paged_decode_split_kernel" + _FP8, archs=FP8_ARCHS),
     KernelSpec("paged_prefill_kernel", "paged_prefill", _FP8_DECODE_AXES, _prefill,
-               dict(block_tables_ptr="index_dtype", query_start_loc_ptr="index_dtype", num_context_ptr="index_dtype",
-                    **_SCALES, **_FP8_CACHE), uses_dot=True, label="paged_prefill_kernel" + _FP8, archs=FP8_ARCHS),
+               {**_PREFILL_INDEX, **_SCALES, **_FP8_CACHE}, uses_dot=True, label="paged_prefill_kernel" + _FP8,
+               archs=FP8_ARCHS),
 )
 
 
@@ -181,7 +179,7 @@ def tile(spec: KernelSpec, values: dict) -> tuple:
 
 def tile_cases(kernels: tuple[KernelSpec, ...] = KERNELS) -> list[Case]:
     """Every tile each wrapper can pick, for every target, each at its hardest: the case that maps to it with
-    the sliding window on, int64 indices, a head dim and a group that fill the tile only in part (masked loads,
+    the sliding window on, a head dim and a group that fill the tile only in part (masked loads,
     where any case does), then the largest head dim, group and block size. About 1,500 compilations: swept by
     scripts/kernel_sweep.py, not in CI (whose grid is a sample of them)."""
     cases = []
@@ -189,7 +187,7 @@ def tile_cases(kernels: tuple[KernelSpec, ...] = KERNELS) -> list[Case]:
         hardest: dict[tuple, dict] = {}
         for combo in itertools.product(*spec.axes.values()):
             values = dict(zip(spec.axes, combo))
-            if values.get("index_dtype", "int64") != "int64" or values.get("window", True) is not True:
+            if values.get("window", True) is not True:
                 continue
             constants = spec.constants(values)
             rank = (values["head_dim"] != constants.get("BLOCK_D", values["head_dim"]),

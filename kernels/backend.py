@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged_decode import paged_decode, scratch
+from .paged_decode import as_index, paged_decode, scratch
 from .paged_prefill import paged_prefill
 from .store_kv import store_kv
 
@@ -55,9 +55,13 @@ def triton_attention(
     out = scratch(workspace, "out", tuple(q.shape), q.device, q.dtype)
     num_decodes = metadata.num_decodes
     if num_decodes:
+        decode = workspace.get("decode")  # the eager step's int64 tables as int32, once per step, not per layer
+        if decode is None:
+            decode = workspace["decode"] = (as_index(metadata.decode_block_tables),
+                                            as_index(metadata.decode_context_lens))
         paged_decode(
-            q[:num_decodes], key_cache, value_cache, metadata.decode_block_tables, metadata.decode_context_lens,
-            scale, sliding_window, out=out[:num_decodes], workspace=workspace, kv_scales=kv_scales,
+            q[:num_decodes], key_cache, value_cache, *decode, scale, sliding_window, out=out[:num_decodes],
+            workspace=workspace, kv_scales=kv_scales,
         )
     if metadata.prefills:
         inputs = metadata.kernel_inputs.get("prefill")  # built once per step, not once per layer

@@ -357,6 +357,14 @@ def check_int(tensor: torch.Tensor, name: str, shape: tuple) -> None:
         raise ValueError(f"{name} must have shape [{wanted}], got {tuple(tensor.shape)}")
 
 
+def as_index(tensor: torch.Tensor) -> torch.Tensor:
+    """An index tensor (block ids, lengths, row offsets) as the kernels read it: int32 and contiguous, as vLLM's
+    kernels take their block tables. Every value fits: a block id is below the pool's size, a length below
+    max_model_len. One kernel variant per tile, not two: int64 tables made some tiles spill registers on sm_80
+    and sm_89 (issue 31, docs/kernels/tile_sweep.md), and the engine's CUDA graphs pass int32 anyway."""
+    return tensor.to(torch.int32).contiguous()  # no copy when it already is
+
+
 def check_devices(**tensors: torch.Tensor) -> None:
     devices = {name: tensor.device for name, tensor in tensors.items()}
     if len(set(devices.values())) != 1:
@@ -377,7 +385,7 @@ def paged_decode(
     query: torch.Tensor,  # [B, q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64
+    block_tables: torch.Tensor,  # [B, max_blocks] int (read as int32: `as_index`)
     context_lens: torch.Tensor,  # [B] int, 1 <= context_lens[b] <= max_blocks * block_size
     scale: float | None = None,
     sliding_window: int | None = None,
@@ -412,8 +420,7 @@ def paged_decode(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
-    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    context_lens = context_lens.contiguous()
+    block_tables, context_lens = as_index(block_tables), as_index(context_lens)
 
     group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale

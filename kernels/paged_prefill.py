@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .paged_decode import (
     FP8_DTYPES,
+    as_index,
     check_cache,
     check_devices,
     check_int,
@@ -62,12 +63,22 @@ def tile_sizes(dtype: torch.dtype, block_d: int, kv_fp8: bool = False) -> tuple[
     dim 96 and block size 64 (float16). It is not slower in principle: the same 64 query rows per tile (so the same
     K/V reads), each warp owns 16 whole rows (the row maxima and sums need no exchange between warps; on sm_90 a
     warpgroup of 4 is one 64-row wgmma), and 8 or 12 warps an SM where the 8-warp tile had 8 (16 where it
-    spilled); the price is an online-softmax rescale of the accumulator every 32 keys, not 64."""
+    spilled); the price is an online-softmax rescale of the accumulator every 32 keys, not 64.
+
+    Issue 31's sweep of every tile at block size 256 with a window (docs/kernels/tile_sweep.md) moved three more:
+    tiles take 32 keys, not 64, where rows are under 256 bytes (with 64, ptxas stored 8-16 bytes a thread on sm_89
+    at head dim 32, float32 and 16-bit alike; with 32 they take 72-80 registers and store none); float32 rows of
+    256 bytes (head dims 33-64) 32 keys with 8 warps (with 64 keys every group spilled on sm_80, with 4 warps every
+    one of 24 sampled variants on all three targets); float32 rows of 512 bytes (head dims 65-128) 16 keys (with 32,
+    8-24 bytes on sm_80 and sm_89; with 4 warps 72). Float32 attention on a GPU is the learning case, not the
+    fast one."""
     block_m = (64 if dtype.itemsize == 2 else 32) // (2 if kv_fp8 else 1)
     row_bytes = block_d * kv_tile_bytes(dtype, kv_fp8)
     if block_m == 64 and block_d == 128:  # 16-bit, head dims 80-128: see above
         return block_m, 32, 4
-    block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    if dtype == torch.float32 and block_d == 128:
+        return block_m, 16, 8
+    block_n = 32 if row_bytes <= 512 else 16
     return block_m, block_n, 8 if row_bytes >= 256 else 4
 
 
@@ -193,7 +204,7 @@ def paged_prefill(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
-    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    block_tables, query_start_loc, num_context = map(as_index, (block_tables, query_start_loc, num_context))
 
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
@@ -202,8 +213,7 @@ def paged_prefill(
     scale = head_dim**-0.5 if scale is None else scale
     grid = (triton.cdiv(max_num_new, constants["BLOCK_Q"]), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
-        out, query, key_cache, value_cache, kv_scales, block_tables, query_start_loc.contiguous(),
-        num_context.contiguous(),
+        out, query, key_cache, value_cache, kv_scales, block_tables, query_start_loc, num_context,
         scale * math.log2(math.e), sliding_window or 0,  # the window is ignored unless HAS_WINDOW
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), **constants,

@@ -32,8 +32,9 @@ def report(cases, results, seconds: float) -> str:
         "",
         f"Written by `python scripts/kernel_sweep.py` with triton {triton.__version__}: {len(results)} variants in "
         f"{seconds:.0f} s (a warm Triton cache skips what it holds). Cases digest: `{cases_digest(cases)}`.",
-        "Each tile (dtypes, BLOCK_* sizes, warps) at its hardest case: window on, int64 indices, a head dim and a",
-        "group that fill it only in part where any do, then the largest head dim, group and block size.",
+        "Each tile (dtypes, BLOCK_* sizes, warps) at its hardest case: window on, int32 indices (the wrappers'),",
+        "a head dim and a group that fill it only in part where any do, then the largest head dim, group and block",
+        "size.",
         "",
         results_table(results).rstrip("\n"),
     ]

@@ -193,11 +193,12 @@ def prefill_chunks(block_size: int) -> list[tuple[int, int]]:
     return [(0, 1), (0, 2 * block_size if block_size > 1 else 9), (5, 40), (2 * block_size, 3), (17, 70)]
 
 
-def run_prefill(case, chunks, sliding_window=None):
+def run_prefill(case, chunks, sliding_window=None, index_dtype=torch.int32):
     ratio, head_dim, block_size, dtype = case
     num_q_heads, num_kv_heads = HEADS[ratio]
     key_cache, value_cache, block_tables = paged_cache([c + n for c, n in chunks], block_size, num_kv_heads,
                                                        head_dim, dtype)
+    block_tables = block_tables.to(index_dtype)
     query_start_loc = torch.tensor([0] + list(itertools.accumulate(n for _, n in chunks)), device=DEVICE)
     num_context = torch.tensor([c for c, _ in chunks], device=DEVICE)
     query = random_query(int(query_start_loc[-1]), num_q_heads, head_dim, dtype)
@@ -226,6 +227,40 @@ def test_float32_head_dim_256_takes_smaller_tiles():
     case = (1, 256, 16, torch.float32)
     run_decode(case, decode_lens(16))
     run_prefill(case, prefill_chunks(16))
+
+
+def test_the_wrappers_hand_the_kernels_int32_indices(monkeypatch):
+    """Whatever integer dtype the caller's block tables, lengths and offsets have (the engine's eager step builds
+    int64 ones), the kernels read int32: one variant per tile, the one the compile grid and the sweep check (with
+    int64 tables some tiles spilled on sm_80 and sm_89: issue 31). Int64 tables give the same output."""
+    import pagedlab.kernels.paged_decode as decode_module
+    import pagedlab.kernels.paged_prefill as prefill_module
+
+    seen = {}
+
+    def recorder(name, kernel):
+        class Launch:
+            def __getitem__(self, grid):
+                def launch(*args, **constants):
+                    seen[name] = [a.dtype for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+                    return kernel[grid](*args, **constants)
+                return launch
+        return Launch()
+
+    for module, name in ((decode_module, "paged_decode_kernel"), (decode_module, "paged_decode_split_kernel"),
+                         (prefill_module, "paged_prefill_kernel")):
+        monkeypatch.setattr(module, name, recorder(name, getattr(module, name)))
+    case = (3, 64, 16, torch.float32)
+    lens = decode_lens(16)
+    key_cache, value_cache, tables = paged_cache(lens, 16, 2, 64, torch.float32)
+    query = random_query(len(lens), 6, 64, torch.float32)
+    wide = (tables.long(), torch.tensor(lens, dtype=torch.long, device=DEVICE))
+    for split_k in (False, True):
+        out = paged_decode(query, key_cache, value_cache, *wide, split_k=split_k)
+        narrow = paged_decode(query, key_cache, value_cache, tables, wide[1].int(), split_k=split_k)
+        torch.testing.assert_close(out, narrow, rtol=0, atol=0)
+    run_prefill(case, prefill_chunks(16), index_dtype=torch.long)
+    assert seen == {name: [torch.int32] * len(dtypes) for name, dtypes in seen.items()} and len(seen) == 3, seen
 
 
 @pytest.mark.parametrize("sliding_window", [1, 8, 33])
