@@ -451,4 +451,4 @@ class SpeculativeEngineMachine(EngineMachine):
 
 
 TestSpeculativeEngineMachine = SpeculativeEngineMachine.TestCase
-TestSpeculativeEngineMachine.settings = fuzz_settings(250)
+TestSpeculativeEngineMachine.settings = fuzz_settings(400)
