@@ -64,9 +64,9 @@ def triton_attention(
             workspace=workspace, kv_scales=kv_scales,
         )
     if metadata.prefills:
-        inputs = metadata.kernel_inputs.get("prefill")  # built once per step, not once per layer
+        inputs = workspace.get("prefill")  # built once per step, not once per layer
         if inputs is None:
-            inputs = metadata.kernel_inputs["prefill"] = prefill_tensors(metadata.prefills, q.device)
+            inputs = workspace["prefill"] = prefill_tensors(metadata.prefills, q.device)
         query_start_loc, num_context, block_tables, max_num_new = inputs
         paged_prefill(
             q, key_cache, value_cache, query_start_loc, num_context, block_tables, scale, sliding_window,

@@ -61,13 +61,16 @@ def _range(values) -> str:
     return f"{min(values):.3g}-{max(values):.3g}"
 
 
+def times_overlap(a, b) -> bool:
+    """Whether two results' time ranges (min-max over their repeats) overlap: then their difference is within the
+    run-to-run spread, and no conclusion."""
+    return min(a.elapsed_runs) <= max(b.elapsed_runs) and min(b.elapsed_runs) <= max(a.elapsed_runs)
+
+
 def versus(reference, result) -> str:
-    """reference's output tokens/s over result's: 'N.NNx', or 'tie (N.NNx)' when their time ranges overlap
-    (a difference within the run-to-run spread is no conclusion)."""
+    """reference's output tokens/s over result's: 'N.NNx', or 'tie (N.NNx)' when their time ranges overlap."""
     ratio = result.elapsed_s / reference.elapsed_s
-    overlap = min(result.elapsed_runs) <= max(reference.elapsed_runs) and min(reference.elapsed_runs) <= max(
-        result.elapsed_runs)
-    return f"tie ({ratio:.2f}x)" if overlap and result is not reference else f"{ratio:.2f}x"
+    return f"tie ({ratio:.2f}x)" if times_overlap(reference, result) and result is not reference else f"{ratio:.2f}x"
 
 
 def same_tokens(reference, result) -> float | None:
