@@ -60,6 +60,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                        help="cut the model into this many stages by layers, one worker process each (default 1)")
     group.add_argument("--pipeline-layer-partition", type=lambda text: [int(n) for n in text.split(",")],
                        default=None, help="layers per stage, comma-separated (e.g. 16,14; default an even split)")
+    group.add_argument("--max-concurrent-batches", type=int, default=None,
+                       help="batches in flight under pipeline parallelism (default one per stage; 1: one at a time)")
     group.add_argument("--distributed-timeout", type=float, default=None,
                        help="seconds a parallel rank may take to answer before the engine stops (default 300)")
 
@@ -67,7 +69,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
                   "preemption_mode", "attention_backend", "tensor_parallel_size", "pipeline_parallel_size",
-                  "pipeline_layer_partition", "distributed_timeout",
+                  "pipeline_layer_partition", "max_concurrent_batches", "distributed_timeout",
                   "kv_cache_dtype", "calculate_kv_scales")
 
 

@@ -52,6 +52,9 @@ class EngineConfig:
         model must be a folder or Hub id.
     pipeline_layer_partition: the number of layers of each stage (P counts summing to the model's layers), vLLM's
         VLLM_PP_LAYER_PARTITION as an argument; None: an even split, the remainder to the first stages.
+    max_concurrent_batches: with pipeline parallelism, the batches in flight at once, each with its share of the
+        running requests (vLLM's name): None (default) one per stage, so that no stage waits for the others; 1
+        one at a time (stages take turns: the pipeline bubble). At most pipeline_parallel_size.
     distributed_timeout: seconds a tensor- or pipeline-parallel rank may take to start, or to answer a step (and
         a collective may wait), before the engine declares it hung, stops every rank and raises.
     speculative_config: speculative decoding, vLLM's dict (`pagedlab.spec_decode.SpeculativeConfig`): draft tokens
@@ -82,6 +85,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] | None = None
+    max_concurrent_batches: int | None = None
     distributed_timeout: float = 300.0
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -94,7 +98,7 @@ class EngineConfig:
                           ("pipeline_parallel_size", 1)):
             self._check_int(name, low)
         for name, low in (("num_kv_blocks", 1), ("kv_cache_memory", 1), ("num_cpu_blocks", 0), ("max_model_len", 2),
-                          ("max_trace_steps", 1)):
+                          ("max_trace_steps", 1), ("max_concurrent_batches", 1)):
             self._check_int(name, low, optional=True)
         self._check_number("gpu_memory_utilization", "in (0, 1]", lambda x: 0.0 < x <= 1.0)
         self._check_number("swap_space", ">= 0 GiB", lambda x: x >= 0)
@@ -117,6 +121,10 @@ class EngineConfig:
             if len(partition) != self.pipeline_parallel_size:
                 raise ValueError(f"pipeline_layer_partition gives {len(partition)} stages; pipeline_parallel_size is "
                                  f"{self.pipeline_parallel_size}")
+        batches = self.max_concurrent_batches
+        if batches is not None and batches > self.pipeline_parallel_size:
+            raise ValueError(f"max_concurrent_batches={batches} exceeds pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size}: more batches than stages keep none of them busier")
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.world_size > 1:
             raise ValueError("speculative_config: method 'draft_model' runs its draft in the engine's own process and "

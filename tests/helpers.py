@@ -236,3 +236,42 @@ class FakeEngine:
         return EngineStats(num_kv_blocks=16, num_used_blocks=n, peak_used_blocks=n, block_size=16, num_running=n,
                            num_waiting=0, num_steps=self.num_steps, num_computed_tokens=0, num_generated_tokens=0,
                            num_finished=0, num_preemptions=0, prefix_cache_queries=10 * self.num_steps)
+
+
+class InOrderPipeline:
+    """An in-process stand-in for P pipeline stages around a `Worker`: up to `max_concurrent_batches` steps in
+    flight, each run (in the order sent, as every stage runs its batches) only when its output or a later one's is
+    asked for, so that the scheduler meets what a real pipeline gives it (a batch whose tokens are not known when
+    the next is scheduled, aborts and frees in between) without starting a process."""
+
+    def __init__(self, worker, max_concurrent_batches: int) -> None:
+        self.worker, self.info, self.max_concurrent_batches = worker, worker.info, max_concurrent_batches
+        self.pending: list = []  # [SchedulerOutput, its output or None], oldest first
+        self.max_in_flight = 0
+
+    def __getattr__(self, name):  # model_runner, cpu_kv_cache, ...: the worker's
+        return getattr(self.worker, name)
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        entry = [scheduler_output, None]
+        self.pending.append(entry)
+        self.max_in_flight = max(self.max_in_flight, len(self.pending))
+        future = _InOrderFuture(self, entry)
+        return future if non_block else future.result()
+
+    def _run_until(self, entry) -> None:
+        while entry in self.pending:
+            oldest = self.pending.pop(0)
+            oldest[1] = self.worker.execute_model(oldest[0])
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class _InOrderFuture:
+    def __init__(self, pipeline: InOrderPipeline, entry: list) -> None:
+        self.pipeline, self.entry = pipeline, entry
+
+    def result(self):
+        self.pipeline._run_until(self.entry)
+        return self.entry[1]

@@ -10,6 +10,11 @@ whose processing failed are finished, and the step is counted and recorded in th
     frontend                     EngineCore.step()                                     frontend
     add_request ->  schedule() -> execute_model() -> beam step -> update_from_output() -> outputs -> finish_step()
 
+An executor that can run several batches at once (pipeline parallelism: `max_concurrent_batches` = P, and
+`execute_model(..., non_block=True)` returns a future) gets a queue of them, as vLLM V1's batch queue: `step`
+schedules and sends batches until P are in flight (or nothing more can be scheduled), then completes the oldest.
+While stage 1 runs the newest batch, stage P runs the oldest, and no stage waits for the whole pipeline.
+
 Pure Python: the executor and the beam search are injected, and the core imports no torch.
 
 # Explained in chapters/09_the_whole_engine.ipynb
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -73,7 +79,10 @@ class EngineCore:
         self.swap_space = None
         if PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE:
             self.swap_space = SwapSpace(self.kv_cache_manager, info.num_cpu_blocks)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.swap_space, info.cost_model)
+        self.max_concurrent_batches = getattr(executor, "max_concurrent_batches", 1)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.swap_space, info.cost_model,
+                                   self.max_concurrent_batches)
+        self.batch_queue: deque = deque()  # (SchedulerOutput, its future), oldest first, when several fly at once
         if trace is None:
             trace = Trace(info.num_blocks, config.block_size, info.num_cpu_blocks, config.max_trace_steps)
         self.trace = trace
@@ -128,10 +137,27 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutput:
         """Schedule, execute, update. The frontend closes the step with `finish_step`."""
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         # 1. Schedule: who runs, how many tokens each (and the drafts each verifies), which blocks they get.
         scheduler_output = self.scheduler.schedule(self._propose())
         # 2. Execute: the block moves, one forward pass over the whole batch, sampling.
         runner_output = self.executor.execute_model(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def _step_with_batch_queue(self) -> EngineCoreOutput:
+        """Fill the queue of batches in flight, then complete the oldest: one step, as `step` without a queue."""
+        while len(self.batch_queue) < self.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule(self._propose())
+            if scheduler_output is None:  # everything that could run is in flight
+                break
+            self.batch_queue.append((scheduler_output, self.executor.execute_model(scheduler_output, non_block=True)))
+            if not scheduler_output.scheduled:  # it only preempted or failed: let it land before scheduling more
+                break
+        scheduler_output, future = self.batch_queue.popleft()
+        return self._update(scheduler_output, future.result())
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutput:
         # 3. Beam step: every beam group whose beams all have their log-probabilities picks its continuations.
         beam_decisions = self.beam_search.step(scheduler_output, runner_output) if self.beam_search else ()
         # 4. Update: append the new tokens, fork and prune beams, finish what stopped or failed.

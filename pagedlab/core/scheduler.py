@@ -9,6 +9,14 @@ group is preempted whole (`pagedlab.core.preemption`). No request is admitted in
 while a swapped request waits to come back. The oldest request is therefore never a victim, so requests finish
 one after the other: a group that cannot fit even alone is finished with an error instead of waiting forever.
 
+Under pipeline parallelism the core keeps up to `max_concurrent_batches` (P) batches in flight, each scheduled
+before the one before it has come back (`pagedlab.core.engine_core`). The scheduler then gives each batch about
+1/P of the groups, skips the groups in flight (`in_flight`: their tokens are not known yet), and never preempts
+one: a group short of blocks that only a batch in flight could give waits for it (`stalled`). A step with nothing
+to schedule while batches are in flight is no step: `schedule()` returns None. Blocks freed while a batch is in
+flight (an abort) may go to the next batch at once, because every stage runs its batches in order; for the same
+reason a batch's full blocks are cached when it is scheduled, so that the next batch finds a prefix in flight.
+
 The scheduler decides; `KVCacheManager` allocates; the worker runs; `update_from_output` appends the tokens,
 forks samples and beams, and finishes what stopped. It imports no torch.
 
@@ -49,6 +57,7 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         kv_cache_manager: KVCacheManager,
         swap_space: SwapSpace | None = None,
         cost_model: PreemptionCostModel | None = None,
+        max_concurrent_batches: int = 1,
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
@@ -60,25 +69,32 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         super().__init__(kv_cache_manager, swap_space, config.max_num_seqs)
         self.config = config
         self.cost_model = cost_model
+        self.max_concurrent_batches = max_concurrent_batches
         self._rng = random.Random(config.seed)
 
     # -- one step -------------------------------------------------------------------------------------------
 
-    def schedule(self, draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
-        """One step's decisions. `draft_token_ids`: proposed tokens of running decodes (speculative decoding)."""
+    def schedule(self, draft_token_ids: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput | None:
+        """One step's decisions. `draft_token_ids`: proposed tokens of running decodes (speculative decoding).
+        None when batches are in flight and nothing else can run until one comes back."""
         step = StepBuilder(self.config.max_num_batched_tokens)
         partial = self.config.enable_partial_preemption
+        full = self._micro_batch_limit()
 
         # 0. For tests (vLLM's trick): preempt the newest running group at random steps (partially: one block),
-        #    never the only one, so that the oldest request always progresses.
+        #    never the only one, so that the oldest request always progresses (nor one in flight).
         forced = self.config.force_preemption_rate
         if self.running and forced and self._rng.random() < forced and len(runs_by_group(self.running)) > 1:
-            victims = runs_by_group(self.running)[-1]
-            if not (partial and len(victims) == 1 and self._preempt_tail(victims[0], 1, step)):
+            victims = self._newest_preemptable(after_oldest=True)
+            if victims and not (partial and len(victims) == 1 and self._preempt_tail(victims[0], 1, step)):
                 self._preempt(victims, step)
 
         # 1. Running groups, oldest first; the newest groups are preempted when blocks run out.
         for group in runs_by_group(self.running):
+            if group[0].group_id in self.in_flight:
+                continue
+            if full(step):
+                break
             group = [r for r in group if r.status == RUNNING]  # a forced victim has left
             if group and not self._schedule_group(group, step, may_preempt=True):
                 break
@@ -86,8 +102,10 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         # 2. Swapped groups come back, oldest first, when their blocks fit with one block to spare for each
         #    sequence's next token (or at all, when nothing else runs: then, if a group does not fit together, its
         #    sequences come back one by one).
-        while not (step.preempted or step.stalled) and self.swapped:
+        while not (step.preempted or step.stalled or full(step)) and self.swapped:
             group = runs_by_group(self.swapped)[0]
+            if group[0].group_id in self.in_flight:  # some of its samples run: the others come back after them
+                break
             if not self._can_swap_in(group) and not self.running and len(group) > 1:
                 group = group[:1]
             if not self._can_swap_in(group):
@@ -106,8 +124,10 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         # 3. Waiting sequences, first come first served, unless this step had to preempt or requests are still
         #    swapped out. With prefix caching a sequence starts from its longest cached prefix (unless it needs
         #    its prompt's logprobs: then it computes every prompt token, as in vLLM).
-        while not (step.preempted or step.stalled or self.swapped) and self.waiting and step.budget > 0:
+        while not (step.preempted or step.stalled or self.swapped or full(step)) and self.waiting and step.budget > 0:
             request = self.waiting[0]
+            if request.group_id in self.in_flight:  # a sample waiting for its group's batch, or an id re-used
+                break
             if self.num_running_seqs + self.seats_to_run([request]) > self.config.max_num_seqs:
                 break
             hits = [] if request.needs_prompt_logprobs else self.kv_cache_manager.get_computed_blocks(
@@ -136,12 +156,47 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         if draft_token_ids and not (step.preempted or step.stalled):
             self._speculate(step, draft_token_ids)
 
-        self.stats.num_steps += 1
-        output = step.build(self.stats.num_steps, self.finished_req_ids)
-        self.finished_req_ids = []
-        if self.requests and not (output.scheduled or output.preempted or output.swapped_in or output.failed):
+        output = step.build(self.stats.num_steps + 1, self.finished_req_ids)
+        idle = not (output.scheduled or output.preempted or output.swapped_in or output.failed)
+        if idle and self.in_flight:
+            return None  # wait for a batch in flight (this decided nothing, changed nothing)
+        if idle and self.requests:
             raise RuntimeError(f"the scheduler made no progress (a bug): {self.requests}")
+        self.stats.num_steps += 1
+        self.finished_req_ids = []
+        if self.max_concurrent_batches > 1:
+            groups = {s.group_id for s in output.scheduled}
+            assert not groups & self.in_flight, "a group in two batches in flight"
+            self.in_flight |= groups
+            self._cache_scheduled(output)
         return output
+
+    def _cache_scheduled(self, output: SchedulerOutput) -> None:
+        """With batches in flight, cache a step's full blocks when it is scheduled rather than when it comes back
+        (as vLLM V1 does at allocation): a request admitted to a later batch, which every stage runs after this
+        one, then finds the prefix this one computes. (Not within the batch: one pass does not read its own
+        writes of other sequences.)"""
+        for work in output.scheduled:
+            request = self.requests[work.request_id]
+            self.kv_cache_manager.cache_full_blocks(
+                request.request_id, work.num_computed_tokens + work.num_new_tokens - work.num_spec_tokens,
+                request.token_ids, request.cache_salt, request.prompt_block_hashes,
+            )
+
+    def _micro_batch_limit(self):
+        """A test of whether the step has its share of the groups: with P batches in flight, about 1/P of the
+        running, swapped and waiting groups each (one batch with every group would leave the others nothing)."""
+        depth = self.max_concurrent_batches
+        if depth == 1:
+            return lambda step: False
+        groups = len(runs_by_group(self.running)) + len(runs_by_group(self.swapped)) + len(self.waiting)
+        share = max(1, -(-groups // depth))
+        return lambda step: len({s.group_id for s in step.scheduled}) >= share
+
+    def _newest_preemptable(self, after_oldest: bool = False) -> list[Request] | None:
+        """The newest running group not in a batch in flight (`after_oldest`: nor the oldest running group)."""
+        groups = runs_by_group(self.running)[1 if after_oldest else 0:]
+        return next((g for g in reversed(groups) if g[0].group_id not in self.in_flight), None)
 
     def _schedule_group(self, group: list[Request], step: StepBuilder, may_preempt: bool) -> bool:
         """Give a running group's sequences their tokens, allocating their blocks together. When blocks are
@@ -167,13 +222,16 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
                 return True
             if not may_preempt:
                 return True  # a group just swapped in: it runs next step
-            victims = runs_by_group(self.running)[-1]
+            victims = self._newest_preemptable()  # this group, at the newest
             partial = self.config.enable_partial_preemption
             if victims[0].group_id != group[0].group_id:
                 if not (partial and len(victims) == 1 and self._preempt_tail(victims[0], short, step)):
                     self._preempt(victims, step)
             elif partial and len(group) == 1 and step.scheduled:
                 step.stalled = True  # the newest: nobody behind it to take blocks from, so it waits its turn
+                return False
+            elif self.in_flight:
+                step.stalled = True  # the blocks it needs are held by groups in flight: wait for their batch
                 return False
             elif len(self.running) > len(group):
                 self._preempt(group, step)  # older groups hold the blocks: wait for them to finish
@@ -270,6 +328,7 @@ class Scheduler(SchedulerState, SpeculativeScheduling):
         what was computed, append its new tokens (for a verified chunk, the accepted drafts and the token after
         them; the rejected drafts' slots are rolled back), apply the beam steps (fork the parents chosen twice,
         prune the others), and finish what stopped."""
+        self.in_flight -= {s.group_id for s in output.scheduled}
         freed = self.kv_cache_manager.release_copy_sources([(source, copy) for _, source, copy in output.copies])
         finished, failed_freed = self.finish_groups(runner_output.errors, RequestStatus.FINISHED_ERROR)
         freed += failed_freed

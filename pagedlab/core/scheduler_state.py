@@ -43,8 +43,10 @@ class SchedulerState:
       - `running` and `swapped` are sorted by `order` (arrival, then place in the group), so a group's sequences
         sit together; the running groups reserve at most max_num_seqs sequence slots;
       - between steps, a running sequence holds a device block table of exactly its computed tokens (a table grows
-        only for the tokens a step computes, and speculative decoding rolls back the slots of rejected drafts); a
-        swapped one a CPU table of exactly its computed tokens; a waiting one holds none and has computed none;
+        only for the tokens a step computes, and speculative decoding rolls back the slots of rejected drafts),
+        or, while its group is in a batch still in flight (pipeline parallelism), of at least them; a swapped one
+        a CPU table of exactly its computed tokens; a waiting one holds none and has computed none;
+      - a group is in one batch in flight at most (`schedule` skips those in flight);
       - the block manager's and the swap space's own invariants hold.
     """
 
@@ -59,6 +61,7 @@ class SchedulerState:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # group_id -> its unfinished sequences
         self.finished_req_ids: list[str] = []  # finished since the last step: the next SchedulerOutput carries them
+        self.in_flight: set[str] = set()  # groups in a batch scheduled but not yet updated (pipeline parallelism)
         self.num_finished_groups = 0  # user requests finished (every sequence of the group), however they ended
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -198,7 +201,9 @@ class SchedulerState:
         for request in self.running:
             assert request.status == RUNNING
             table = self.kv_cache_manager.block_tables.get(request.request_id)
-            assert table is not None and table.num_tokens == request.num_computed_tokens, (
+            in_flight = request.group_id in self.in_flight
+            assert table is not None and (table.num_tokens >= request.num_computed_tokens if in_flight else
+                                          table.num_tokens == request.num_computed_tokens), (
                 f"running {request.request_id}: {table and table.num_tokens} slots for {request.num_computed_tokens} "
                 "computed tokens (a rollback missed?)"
             )

@@ -59,6 +59,8 @@ class SpeculativeScheduling:
         """The running decodes that could verify drafts this step, oldest first."""
         out = []
         for request in self.running:
+            if request.group_id in self.in_flight:
+                continue
             limit = max_num_draft_tokens(request, num_speculative_tokens, self.config.max_model_len)
             if limit:
                 tokens = tuple(request.token_ids(0, request.num_tokens))

@@ -4,9 +4,12 @@ The driver (the engine's process: scheduler, block manager, outputs) starts one 
 (`tp_worker.worker_main`): P pipeline stages of T tensor-parallel ranks, rank = stage x T + position. It hosts the
 store through which they find each other, and at every step sends all of them the same pickled `SchedulerOutput`
 (a broadcast over pipes); each rank applies the block moves to its own KV pool and runs its shard of its stage;
-the first rank of the last stage sends the step's `ModelRunnerOutput` back. A rank that dies, raises or does not answer
-within `distributed_timeout` stops every rank and raises `TensorParallelError`. `shutdown()`, garbage collection
-of the executor and the end of the interpreter all stop the ranks and wait for them.
+the first rank of the last stage sends the step's `ModelRunnerOutput` back. With P > 1 stages, P batches may be in
+flight (`max_concurrent_batches`, vLLM's name): `execute_model(..., non_block=True)` sends a step and returns a
+future; every rank answers its messages in order, so the oldest step's replies come first. A rank that dies,
+raises or does not answer within `distributed_timeout` stops every rank and raises `TensorParallelError`.
+`shutdown()`, garbage collection of the executor and the end of the interpreter all stop the ranks and wait for
+them.
 
 Under `torchrun` nothing is started: every process runs the same script, hence the same engine, with its rank in
 process (vLLM's "external launcher"); the scheduler is deterministic, so every rank schedules the same steps.
@@ -22,6 +25,7 @@ import os
 import pickle
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
@@ -143,7 +147,9 @@ class MultiprocExecutor:
 
         self.size, self.timeout = config.world_size, config.distributed_timeout
         self.output_rank = output_rank(config)
+        self.max_concurrent_batches = config.max_concurrent_batches or config.pipeline_parallel_size
         self._failure: str | None = None
+        self._pending: deque[StepFuture] = deque()  # steps sent whose replies are not read yet, oldest first
         # The ranks meet at a store this process hosts, on a free port: nothing to configure, no port to collide.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         context = _context()
@@ -175,10 +181,13 @@ class MultiprocExecutor:
 
     # -- the Executor's interface (pagedlab.core.executor) -----------------------------------------------------
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, output: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput | StepFuture:
         """Send the step to every rank; the output rank's comes back (the last stage's others computed the same,
-        the earlier stages none)."""
-        return self.collective_rpc("execute_model", output)[self.output_rank]
+        the earlier stages none). `non_block`: return at once a future of it, and let the ranks work."""
+        self._send("execute_model", output)
+        future = StepFuture(self)
+        self._pending.append(future)
+        return future if non_block else future.result()
 
     def shutdown(self) -> None:
         """Stop every rank and wait for it (safe to call twice)."""
@@ -187,7 +196,12 @@ class MultiprocExecutor:
     # -- messages -------------------------------------------------------------------------------------------
 
     def collective_rpc(self, method: str, *args) -> list:
-        """Call `RankWorker.<method>(*args)` on every rank; their results in rank order."""
+        """Call `RankWorker.<method>(*args)` on every rank; their results in rank order (after the steps in flight)."""
+        self._complete(None)
+        self._send(method, *args)
+        return self._gather(method)
+
+    def _send(self, method: str, *args) -> None:
         if self._failure is not None:
             raise TensorParallelError(f"the tensor-parallel ranks were stopped: {self._failure}")
         payload = pickle.dumps((method, args))  # pickled once, sent N times
@@ -196,7 +210,12 @@ class MultiprocExecutor:
                 connection.send_bytes(payload)
             except OSError:
                 self._fail(f"rank {rank} is gone ({self._exit_status(rank)})")
-        return self._gather(method)
+
+    def _complete(self, future: StepFuture | None) -> None:
+        """Read the replies of the steps in flight, oldest first, up to `future` (None: all of them)."""
+        while self._pending and (future is None or not future.done):
+            oldest = self._pending.popleft()
+            oldest.set(self._gather("execute_model")[self.output_rank])
 
     def _gather(self, what: str) -> list:
         """One reply from every rank, within the timeout, watching every process for an early death."""
@@ -237,6 +256,21 @@ class MultiprocExecutor:
         self._failure = why.splitlines()[0]
         self.shutdown()
         raise TensorParallelError(why)
+
+
+class StepFuture:
+    """A step sent to the ranks whose output has not been read yet (`MultiprocExecutor.execute_model`)."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor, self.done, self._output = executor, False, None
+
+    def set(self, output: ModelRunnerOutput) -> None:
+        self.done, self._output = True, output
+
+    def result(self) -> ModelRunnerOutput:
+        """Its output, once the ranks have answered it (and every step sent before it)."""
+        self._executor._complete(self)
+        return self._output
 
 
 def _hint(what: str) -> str:

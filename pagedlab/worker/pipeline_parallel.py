@@ -13,8 +13,10 @@ states); on a stage before the last the final norm becomes `SendHidden` (the hid
 the residual stream they are) and the LM head an identity (its "logits" are never sampled). The layers a stage
 keeps are renumbered from 0, so that each indexes its own pool.
 
-One batch is in flight at a time: while stage s computes, the others wait (the pipeline bubble). Stage times add
-up, so on one machine this is slower than one process; it is how a model too big for one device's memory runs.
+With one batch in flight, while stage s computes the others wait (the pipeline bubble), and stage times add up,
+so on one machine this is slower than one process; it is how a model too big for one device's memory runs. The
+engine keeps P batches in flight instead (`EngineConfig.max_concurrent_batches`; the batch queue of
+`pagedlab.core.engine_core`): while stage 1 runs batch k, stage 0 runs batch k + 1.
 
 # Explained in chapters/12_tensor_parallelism.ipynb
 """
@@ -62,7 +64,12 @@ class StageStats(Counters):
     """One rank's pipeline traffic and time since the last reset: tensors and bytes sent on and received, the
     seconds its steps took (`execute_s`, the block moves included) and of those, the seconds it waited for the
     previous stage's hidden states (`receive_wait_s`). Busy time is the difference; with one batch in flight a
-    stage is busy about 1/P of the time and waits, or has nothing to do, the rest (the pipeline bubble)."""
+    stage is busy about 1/P of the time and waits, or has nothing to do, the rest (the pipeline bubble).
+    `spans`: the last `MAX_SPANS` steps as (start, receive start, receive end, end) on the machine's monotonic clock
+    (`time.perf_counter`, comparable between processes of one machine), what a timeline of the stages draws; a
+    stage that receives nothing has receive start = receive end = start."""
+
+    MAX_SPANS = 1000
 
     num_sent: int = 0
     bytes_sent: int = 0
@@ -70,6 +77,13 @@ class StageStats(Counters):
     bytes_received: int = 0
     receive_wait_s: float = 0.0
     execute_s: float = 0.0
+    received_at: float = 0.0  # when the last receive ended
+    spans: tuple[tuple[float, float, float, float], ...] = ()
+
+    def record_step(self, start: float, end: float, waited_s: float) -> None:
+        receive = (self.received_at - waited_s, self.received_at) if waited_s else (start, start)
+        self.execute_s += end - start
+        self.spans = self.spans[-(self.MAX_SPANS - 1):] + ((start, *receive, end),)
 
     @property
     def busy_s(self) -> float:
@@ -89,7 +103,8 @@ class ReceiveHidden(nn.Module):
         hidden = torch.empty(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=input_ids.device)
         start = time.perf_counter()
         dist.recv(hidden, src=self.source)
-        self.stats.receive_wait_s += time.perf_counter() - start
+        self.stats.received_at = time.perf_counter()
+        self.stats.receive_wait_s += self.stats.received_at - start
         self.stats.num_received += 1
         self.stats.bytes_received += hidden.nbytes
         return hidden

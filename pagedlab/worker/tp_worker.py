@@ -18,8 +18,10 @@ import ctypes
 import dataclasses
 import logging
 import pickle
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -127,11 +129,11 @@ class RankWorker:
         )
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.stage_stats.receive_wait_s
         try:
             return self.worker.execute_model(output)
         finally:
-            self.stage_stats.execute_s += time.perf_counter() - start
+            self.stage_stats.record_step(start, time.perf_counter(), self.stage_stats.receive_wait_s - waited)
 
     def kv_cache_bytes(self) -> int:
         """The bytes of this rank's KV pool (its heads of every block)."""
@@ -169,11 +171,23 @@ def _die_with_parent() -> None:
             pass
 
 
+def _read_messages(conn, inbox: queue.Queue) -> None:
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the driver is gone
+            message = ("shutdown", ())
+        inbox.put(message)
+        if message[0] == "shutdown":
+            return
+
+
 def worker_main(rank: int, size: int, model_path, dtype, device, config, store_addr, conn, num_threads) -> None:
     """A rank in its own process: build, report `RankInfo`, then answer (method, args) messages until "shutdown"
     or until the driver's end of the pipe closes. Replies are ("ok", value) or ("error", traceback text); only
     the first rank of the last stage sends the step's output back (its stage's others computed the same, the
-    earlier stages none)."""
+    earlier stages none). A thread reads the messages as they come, so that a driver sending the next step while
+    this rank replies to the last one (several batches in flight) never waits on a full pipe."""
     _die_with_parent()
     if device.type == "cpu":
         torch.set_num_threads(num_threads)
@@ -187,12 +201,11 @@ def worker_main(rank: int, size: int, model_path, dtype, device, config, store_a
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_messages, args=(conn, inbox), name="pagedlab-inbox", daemon=True).start()
     while True:
-        try:
-            method, args = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):  # the driver is gone
-            break
-        if method == "shutdown":
+        method, args = inbox.get()
+        if method == "shutdown":  # asked, or the driver is gone
             break
         try:
             result = getattr(ranked, method)(*args)

@@ -43,7 +43,8 @@ from pagedlab import LLMEngine, SamplingParams
 from pagedlab.config import EngineConfig
 from pagedlab.sampling_params import BeamSearchParams
 from pagedlab.spec_decode.self_draft import self_draft
-from tests.helpers import TINY_CONFIG, ByteTokenizer, tiny_model
+from pagedlab.worker.worker import Worker
+from tests.helpers import TINY_CONFIG, ByteTokenizer, InOrderPipeline, tiny_model
 
 pytestmark = pytest.mark.slow  # a few minutes: `make test-fast` leaves it out
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral-window8", "llama-gqa3-hd80")
@@ -202,6 +203,7 @@ def speculative_config(method: str | None, model) -> dict | None:
 
 class EngineMachine(RuleBasedStateMachine):
     SPECULATIVE = (None, "ngram", "random draft", "itself", "first layer")
+    BATCHES_IN_FLIGHT = (1,)  # more: an in-process pipeline of as many stages (tests.helpers.InOrderPipeline)
 
     @initialize(
         family=st.sampled_from(FAMILIES),
@@ -227,13 +229,17 @@ class EngineMachine(RuleBasedStateMachine):
         speculative = data.draw(st.sampled_from(self.SPECULATIVE), "speculative")
         num_kv_blocks = max(2, pool_tokens // block_size)
         self.family, self.kv_cache_dtype = family, kv_cache_dtype
-        self.engine = LLMEngine(MODELS[family], TOKENIZER, EngineConfig(
+        config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, preemption_mode=mode, num_cpu_blocks=num_cpu_blocks,
             enable_partial_preemption=partial, enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, force_preemption_rate=forced,
             max_model_len=min(48, num_kv_blocks * block_size), kv_cache_dtype=kv_cache_dtype, record_trace=False,
             speculative_config=speculative_config(speculative, MODELS[family]),
-        ))
+        )
+        depth = data.draw(st.sampled_from(self.BATCHES_IN_FLIGHT), "batches in flight")
+        worker = Worker(MODELS[family], config)
+        self.engine = LLMEngine(MODELS[family], TOKENIZER, config,
+                                InOrderPipeline(worker, depth) if depth > 1 else worker)
         self.speculative = speculative
         self.requests: dict[str, object] = {}  # live request id -> its params
         self.num_added = self.num_checked = 0
@@ -429,6 +435,8 @@ class EngineMachine(RuleBasedStateMachine):
         event(f"finished requests checked: {min(self.num_checked, 10)}")
         if self.speculative:
             event(f"{self.speculative}: drafts verified {stats.spec_num_drafts > 0}")
+        if isinstance(engine.worker, InOrderPipeline):
+            event(f"most batches in flight: {engine.worker.max_in_flight}")
 
 
 def fuzz_settings(num_examples: int) -> settings:
@@ -452,3 +460,16 @@ class SpeculativeEngineMachine(EngineMachine):
 
 TestSpeculativeEngineMachine = SpeculativeEngineMachine.TestCase
 TestSpeculativeEngineMachine.settings = fuzz_settings(400)
+
+
+class PipelinedEngineMachine(EngineMachine):
+    """Two or three batches in flight (pipeline parallelism's micro-batches, in process): each is scheduled before
+    the one before it has come back, with aborts and new requests in between. Draft models are refused under
+    pipeline parallelism; n-gram lookup is not."""
+
+    SPECULATIVE = (None, None, "ngram")
+    BATCHES_IN_FLIGHT = (2, 3)
+
+
+TestPipelinedEngineMachine = PipelinedEngineMachine.TestCase
+TestPipelinedEngineMachine.settings = fuzz_settings(100)
