@@ -72,6 +72,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+KERNEL_TESTS = ROOT / "tests" / "kernels" / "test_kernels.py"
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 2048, 8192)
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -80,7 +81,7 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 def run_kernel_tests() -> bool:
     env = {**os.environ, "PAGEDLAB_FULL_KERNEL_GRID": "1"}
     env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU, not the interpreter
-    command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_kernels.py"), "-q", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", str(KERNEL_TESTS), "-q", "-p", "no:cacheprovider"]
     print(f"[1/3] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env)

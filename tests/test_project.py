@@ -257,3 +257,13 @@ def test_processes_starting_together_convert_the_embedded_model_once(tmp_path):
     outputs = [p.communicate(timeout=120)[0] for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs
     assert log.read_text().count("converted") == 1
+
+
+def test_gpu_check_runs_test_files_that_exist():
+    """`make gpu-check` runs on a GPU no session may have: the tests it points pytest at must at least exist."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.KERNEL_TESTS.is_file(), gpu_check.KERNEL_TESTS

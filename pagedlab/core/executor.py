@@ -3,7 +3,10 @@
 An executor runs each step's `SchedulerOutput` (the block moves, one forward pass, sampling) and returns a
 `ModelRunnerOutput`; it describes its KV cache once, in a frozen `WorkerInfo`. Three implement it: the
 `Worker` in this process, the tensor-parallel `MultiprocExecutor` over N processes, and the simulator's
-`MadeUpExecutor`, which makes tokens up. The core reads the info record, never the executor's attributes.
+`MadeUpExecutor`, which makes tokens up. The core reads the info record, never the executor's attributes, but
+one: an executor that runs several batches at once (pipeline stages) says how many in `max_concurrent_batches`
+and takes `execute_model(output, non_block=True)`, returning a future whose `result()` is the output; the core
+then keeps a queue of batches in flight (`pagedlab.core.engine_core`).
 
 # Explained in chapters/09_the_whole_engine.ipynb
 """
