@@ -62,6 +62,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                        default=None, help="layers per stage, comma-separated (e.g. 16,14; default an even split)")
     group.add_argument("--max-concurrent-batches", type=int, default=None,
                        help="batches in flight under pipeline parallelism (default one per stage; 1: one at a time)")
+    group.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                       help="where the ranks run: mp, processes here (default); ray, actors on a Ray cluster")
     group.add_argument("--distributed-timeout", type=float, default=None,
                        help="seconds a parallel rank may take to answer before the engine stops (default 300)")
 
@@ -69,7 +71,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
                   "preemption_mode", "attention_backend", "tensor_parallel_size", "pipeline_parallel_size",
-                  "pipeline_layer_partition", "max_concurrent_batches", "distributed_timeout",
+                  "pipeline_layer_partition", "max_concurrent_batches", "distributed_executor_backend",
+                  "distributed_timeout",
                   "kv_cache_dtype", "calculate_kv_scales")
 
 

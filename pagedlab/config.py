@@ -55,6 +55,10 @@ class EngineConfig:
     max_concurrent_batches: with pipeline parallelism, the batches in flight at once, each with its share of the
         running requests (vLLM's name): None (default) one per stage, so that no stage waits for the others; 1
         one at a time (stages take turns: the pipeline bubble). At most pipeline_parallel_size.
+    distributed_executor_backend: where the P x T ranks run (vLLM's name): "mp" (default), processes of this
+        machine started by the engine; "ray", actors placed on a Ray cluster by a placement group (`ray.init`'s
+        cluster: the one this process joined, RAY_ADDRESS, or a local one), across machines (`pip install
+        "pagedlab[ray]"`).
     distributed_timeout: seconds a tensor- or pipeline-parallel rank may take to start, or to answer a step (and
         a collective may wait), before the engine declares it hung, stops every rank and raises.
     speculative_config: speculative decoding, vLLM's dict (`pagedlab.spec_decode.SpeculativeConfig`): draft tokens
@@ -86,6 +90,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] | None = None
     max_concurrent_batches: int | None = None
+    distributed_executor_backend: str = "mp"
     distributed_timeout: float = 300.0
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -161,3 +166,6 @@ class EngineConfig:
             )
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'auto', 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")

@@ -1,4 +1,5 @@
-"""GPU check: the Triton kernels' full correctness grid, a decode micro-benchmark, the engine. CUDA only.
+"""GPU check: the Triton kernels' full correctness grid, a decode micro-benchmark, the engine, and with several
+GPUs pipeline and tensor parallelism over NCCL. CUDA only.
 
     python scripts/gpu_check.py [--output gpu_check.md] [--skip-tests] [--skip-bench]
 
@@ -53,6 +54,14 @@ figure that comes from its first run, which prints the tables and writes them to
     | pagedlab (enforce_eager) | ... | ... |
     | HF generate (one static batch) | ... | ... |
 
+4. With two or more GPUs: the embedded SmolLM2 (bfloat16) on 16 of those prompts, 32 greedy tokens each, in one
+   process, in two pipeline stages over NCCL with one and with two batches in flight, and (with three GPUs) in
+   three tensor-parallel ranks; every run's tokens must equal the one process's (exit status 1 otherwise):
+
+    # parallel: SmolLM2-135M-Instruct, bfloat16, NCCL, 16 prompts x 32 tokens; tokens == one process: <bool>
+    | system | time s | output tok/s |
+    ...
+
 The tables also go to --output (default gpu_check.md in the working directory), and it prints how long it
 took: how long is not known before that first run. A first run spends part of it compiling the kernel
 variants of the grid (cached in ~/.triton/cache afterwards). Compiling alone was measured without a GPU:
@@ -82,7 +91,7 @@ def run_kernel_tests() -> bool:
     env = {**os.environ, "PAGEDLAB_FULL_KERNEL_GRID": "1"}
     env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU, not the interpreter
     command = [sys.executable, "-m", "pytest", str(KERNEL_TESTS), "-q", "-p", "no:cacheprovider"]
-    print(f"[1/3] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
+    print(f"[1/4] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env)
     print(f"      {time.perf_counter() - start:.0f} s", flush=True)
@@ -127,7 +136,7 @@ def benchmark(device_name: str = "cuda") -> list[str]:
     device = torch.device(device_name)
     props = torch.cuda.get_device_properties(device)
     dtype = torch.bfloat16
-    print(f"[2/3] decode micro-benchmark on {props.name}", flush=True)
+    print(f"[2/4] decode micro-benchmark on {props.name}", flush=True)
     copy_bw = copy_bandwidth()
     lines = [
         f"# gpu_check: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -213,7 +222,7 @@ def engine_benchmark(num_prompts: int = 64, max_tokens: int = 128) -> list[str]:
 
     from pagedlab import LLM, SamplingParams
 
-    print(f"[3/3] engine: {num_prompts} prompts x {max_tokens} tokens, CUDA graphs on/off, HF generate", flush=True)
+    print(f"[3/4] engine: {num_prompts} prompts x {max_tokens} tokens, CUDA graphs on/off, HF generate", flush=True)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm = LLM(dtype="bfloat16", device="cuda", max_num_seqs=num_prompts)
     model, tokenizer = llm.llm_engine.model, llm.get_tokenizer()
@@ -269,6 +278,49 @@ def engine_benchmark(num_prompts: int = 64, max_tokens: int = 128) -> list[str]:
     return lines
 
 
+def parallel_check(num_prompts: int = 16, max_tokens: int = 32) -> list[str]:
+    """SmolLM2 over NCCL: two pipeline stages (one batch in flight and two) and three tensor-parallel ranks, each
+    checked against one process; skipped (one line saying so) with fewer than two GPUs."""
+    import random
+
+    import torch
+
+    from pagedlab import LLM, SamplingParams
+
+    count = torch.cuda.device_count()
+    if count < 2:
+        return ["", f"# parallel: skipped, {count} GPU (pipeline and tensor parallelism need 2 or more)"]
+    print(f"[4/4] parallel: {num_prompts} prompts x {max_tokens} tokens over NCCL on {count} GPUs", flush=True)
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(49152) for _ in range(rng.randint(20, 400))]}
+               for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    runs = [("one process", {}),
+            ("2 stages, 1 batch in flight", dict(pipeline_parallel_size=2, max_concurrent_batches=1)),
+            ("2 stages, 2 batches in flight", dict(pipeline_parallel_size=2))]
+    if count >= 3:
+        runs.append(("3 tensor-parallel ranks", dict(tensor_parallel_size=3)))
+    results, tokens = {}, {}
+    for name, options in runs:
+        with LLM(None, dtype="bfloat16", device="cuda", max_num_seqs=num_prompts, **options) as llm:
+            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            results[name] = time.perf_counter() - start
+            tokens[name] = [o.outputs[0].token_ids for o in outputs]
+        print(f"  {name}: {results[name]:.2f} s", flush=True)
+    same = all(t == tokens["one process"] for t in tokens.values())
+    lines = ["", f"# parallel: SmolLM2-135M-Instruct, bfloat16, NCCL, {num_prompts} prompts x {max_tokens} tokens; "
+             f"tokens == one process: {same}", "| system | time s | output tok/s |",
+             "|:-------|-------:|-------------:|"]
+    lines += [f"| {name} | {t:.2f} | {num_prompts * max_tokens / t:.0f} |" for name, t in results.items()]
+    print("\n".join(lines), flush=True)
+    if not same:
+        print("gpu_check: a parallel engine changed the greedy tokens", file=sys.stderr)
+        raise SystemExit(1)
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=Path("gpu_check.md"), help="where to write the table")
@@ -295,6 +347,7 @@ def main() -> int:
     if not args.skip_bench:
         lines = benchmark()
         lines += engine_benchmark()
+        lines += parallel_check()
         args.output.write_text("\n".join(lines) + "\n")
         print(f"table written to {args.output}", flush=True)
     print(f"gpu_check: done in {time.perf_counter() - start:.0f} s")

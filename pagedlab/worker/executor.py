@@ -80,6 +80,13 @@ def launch(model, tokenizer, dtype, device, config: EngineConfig):
     check_supported(hf_config)
     check_tensor_parallel_size(hf_config, size)  # before any process starts
     check_pipeline_parallel_size(hf_config, config.pipeline_parallel_size, config.pipeline_layer_partition)
+    if config.distributed_executor_backend == "ray":
+        from pagedlab.worker.ray_executor import import_ray
+
+        if under_torchrun():
+            raise ValueError('distributed_executor_backend="ray" places the ranks itself; under torchrun, which '
+                             'started them already, leave it at "mp"')
+        import_ray()  # installed, or a ValueError saying how
     world = config.world_size
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(
@@ -103,6 +110,10 @@ def launch(model, tokenizer, dtype, device, config: EngineConfig):
         mesh = init_distributed(rank, size, rank_device, timeout=config.distributed_timeout)
         ranked = RankWorker(path, dtype, rank_device, config, mesh)
         return ranked.model, tokenizer, ranked.worker
+    if config.distributed_executor_backend == "ray":
+        from pagedlab.worker.ray_executor import RayExecutor
+
+        return driver_model(path, hf_config, dtype), tokenizer, RayExecutor(path, dtype, device, config)
     return driver_model(path, hf_config, dtype), tokenizer, MultiprocExecutor(path, dtype, device, config)
 
 
@@ -125,6 +136,18 @@ class RemoteSwapPools:
 
     num_blocks: int
     bytes_per_rank: int
+
+
+def describe_ranks(ranks, config: EngineConfig) -> tuple[WorkerInfo, RemoteSwapPools | None]:
+    """The `WorkerInfo` of P x T ranks from what each reported (`RankInfo`), and their swap pools, if any."""
+    first = ranks[0]
+    bytes_per_block = sum(rank.bytes_per_block for rank in ranks)  # a block's bytes over all ranks
+    info = WorkerInfo(first.num_blocks, first.num_cpu_blocks, bytes_per_block, first.max_model_len,
+                      first.attention_backend, first.cost_model)
+    swap = None
+    if PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE:
+        swap = RemoteSwapPools(first.num_cpu_blocks, first.num_cpu_blocks * first.bytes_per_block)
+    return info, swap
 
 
 def _context():
@@ -169,15 +192,7 @@ class MultiprocExecutor:
             self.processes.append(process)
             self.connections.append(ours)
         self.ranks: list[RankInfo] = self._gather("start-up")
-        first = self.ranks[0]
-        bytes_per_block = sum(rank.bytes_per_block for rank in self.ranks)  # a block's bytes over all ranks
-        self.info = WorkerInfo(
-            first.num_blocks, first.num_cpu_blocks, bytes_per_block, first.max_model_len, first.attention_backend,
-            first.cost_model,
-        )
-        self.cpu_kv_cache = None
-        if PreemptionMode(config.preemption_mode) != PreemptionMode.RECOMPUTE:
-            self.cpu_kv_cache = RemoteSwapPools(first.num_cpu_blocks, first.num_cpu_blocks * first.bytes_per_block)
+        self.info, self.cpu_kv_cache = describe_ranks(self.ranks, config)
 
     # -- the Executor's interface (pagedlab.core.executor) -----------------------------------------------------
 
