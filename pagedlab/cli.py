@@ -49,6 +49,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"), default=None,
                        help="default auto (measures a cost model at start-up)")
     group.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
+    group.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default=None,
+                       help="the linear layers on CPU: onednn, weights packed once (default for float32); torch")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default=None,
                        help="how K and V are stored: auto (the model's dtype) or FP8 (one byte a value)")
     group.add_argument("--calculate-kv-scales", action="store_true", default=None,
@@ -70,10 +72,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 
 _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-                  "preemption_mode", "attention_backend", "tensor_parallel_size", "pipeline_parallel_size",
-                  "pipeline_layer_partition", "max_concurrent_batches", "distributed_executor_backend",
-                  "distributed_timeout",
-                  "kv_cache_dtype", "calculate_kv_scales")
+                  "preemption_mode", "attention_backend", "linear_backend", "tensor_parallel_size",
+                  "pipeline_parallel_size", "pipeline_layer_partition", "max_concurrent_batches",
+                  "distributed_executor_backend", "distributed_timeout", "kv_cache_dtype", "calculate_kv_scales")
 
 
 def _engine_kwargs(args) -> dict:
@@ -166,6 +167,8 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--max-num-seqs", type=int, default=256)
     bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
     bench.add_argument("--block-size", type=int, default=16)
+    bench.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default="auto",
+                       help="pagedlab's linear layers on CPU (default auto: oneDNN for float32)")
     bench.add_argument("--scale", type=float, default=1.0,
                        help="nano-vllm, calibrate: shrink lengths and request count")
     bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
@@ -201,7 +204,8 @@ def _bench(args) -> int:
         args.workload, model=args.model, dtype=args.dtype, device=args.device, out_dir=args.out,
         progress=not args.no_progress, compare=args.compare, num_requests=args.num_requests, repeats=args.repeats,
         hf_repeats=args.hf_repeats, batch_sizes=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, scale=args.scale,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        linear_backend=args.linear_backend, scale=args.scale,
         request_rates=args.request_rate, endpoint=args.endpoint, serving_via=args.serving_via,
         sweep_max_num_seqs=args.sweep_max_num_seqs,
         overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1],

@@ -25,6 +25,9 @@ class EngineConfig:
     attention_backend: "torch" (the reference, any device), "triton" (the kernels of pagedlab.kernels; on CPU
         they run in Triton's interpreter: slow, for stepping through them, and TRITON_INTERPRET=1 must be set
         before anything imports triton), or "auto": Triton on CUDA when it is installed, else torch.
+    linear_backend: how the model's linear layers run on CPU: "onednn" (their weights packed once into oneDNN's
+        layout, a second copy of them, used for the engine's calls only: `pagedlab.worker.cpu_linear`), "torch"
+        (the model's own `nn.Linear`), or "auto" (default): oneDNN for a float32 model on CPU, else torch.
     enforce_eager: never record decode steps as CUDA graphs (vLLM's name). By default, on CUDA with the Triton
         backend, pure-decode steps replay graphs recorded at start-up for padded batch sizes up to max_num_seqs
         (`pagedlab.worker.cuda_graph`); elsewhere everything runs eagerly anyway.
@@ -75,6 +78,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     enforce_eager: bool = False
     preemption_mode: str = "auto"
     swap_space: float = 4.0
@@ -155,6 +159,8 @@ class EngineConfig:
         """The fields that name one of a few settings."""
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ValueError(f"linear_backend must be 'auto', 'torch' or 'onednn', got {self.linear_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPE_NAMES))}, "

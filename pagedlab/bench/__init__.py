@@ -40,6 +40,7 @@ class BenchOptions:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    linear_backend: str = "auto"  # pagedlab's linear layers: "auto" (oneDNN for float32 on CPU), "onednn", "torch"
     seed: int = 0
     prompt_len: tuple[int, int] = (20, 400)  # chat, pressure, serving
     output_mean: float = 128

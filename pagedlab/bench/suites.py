@@ -43,7 +43,8 @@ def _engine_options(bench, workload: workloads.Workload, **overrides) -> dict:
     o = bench.options
     longest_prompt = max(r.num_prompt_tokens for r in workload.requests)
     options = dict(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_model_len=workload.max_len,
-                   max_num_batched_tokens=max(o.max_num_batched_tokens, longest_prompt), seed=o.seed)
+                   max_num_batched_tokens=max(o.max_num_batched_tokens, longest_prompt), seed=o.seed,
+                   linear_backend=o.linear_backend)
     options.update(overrides)
     return options
 
@@ -102,7 +103,7 @@ def _run_vllm(bench, workload: workloads.Workload, kv_cache_memory_bytes: int):
     if not (folder / "config.json").exists():
         raise ValueError("the vllm comparator loads the model from its folder: give the bench a model by name or "
                          f"path (this model's name_or_path is {str(folder)!r})")
-    options = {k: v for k, v in _engine_options(bench, workload).items() if k != "block_size"}
+    options = {k: v for k, v in _engine_options(bench, workload).items() if k not in ("block_size", "linear_backend")}
     dtype = str(next(bench.model.parameters()).dtype).removeprefix("torch.")
     return systems.run_vllm(str(folder), workload, dtype=dtype, threads=bench.threads, repeats=bench.options.repeats,
                             kv_cache_memory_bytes=kv_cache_memory_bytes, **options)

@@ -21,6 +21,7 @@ import torch
 from pagedlab.core.block_table import cdiv
 from pagedlab.core.sched_output import ModelRunnerOutput, ScheduledRequest
 from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext, PrefillChunk
+from pagedlab.worker.cpu_linear import PackedLinears
 from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
 from pagedlab.worker.kv_quant import KVScales, is_quantized
@@ -77,7 +78,7 @@ def _row_order(scheduled: ScheduledRequest) -> tuple[bool, int]:
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, seed: int,
-        attention_backend: str = "torch", last_stage: bool = True,
+        attention_backend: str = "torch", last_stage: bool = True, linear_backend: str = "torch",
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend
@@ -89,6 +90,8 @@ class ModelRunner:
         self.kv_cache = spec.allocate(num_blocks, block_size, self.device)
         self.kv_scales = KVScales.ones(spec.num_layers, spec.dtype, self.device) if is_quantized(spec.dtype) else None
         self.sampler = Sampler(seed, self.device)
+        # "onednn": the linear layers' weights packed once for oneDNN, used in the engine's calls only
+        self.linears = PackedLinears(model) if linear_backend == "onednn" else None
         self.decode_graphs: DecodeGraphs | None = None
         # False on a pipeline stage before the last (`pagedlab.worker.pipeline_parallel`): its forward pass sends
         # the hidden states on, and there is nothing to sample
@@ -107,7 +110,8 @@ class ModelRunner:
 
     def _forward(self, input_ids, positions, context: PagedAttentionContext, logits_to_keep=0) -> torch.Tensor:
         """The unmodified model on one flat row, with pagedlab's attention: logits [rows kept, vocab]."""
-        with engine_call(self.model, ATTENTION_NAME):
+        linears = self.linears.installed() if self.linears is not None else contextlib.nullcontext()
+        with engine_call(self.model, ATTENTION_NAME), linears:
             return self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],

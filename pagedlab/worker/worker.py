@@ -49,8 +49,10 @@ class Worker:
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
         self.bytes_per_block = self.spec.bytes_per_block(config.block_size)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.spec.dtype)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.model_runner = ModelRunner(
-            model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend, last_stage
+            model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend, last_stage,
+            self.linear_backend,
         )
         graphs = not config.enforce_eager and self.model_runner.kv_scales is None  # fp8: eager (graphs unchecked)
         if self.device.type == "cuda" and self.attention_backend == "triton" and graphs:
@@ -180,4 +182,19 @@ def resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: t
                 f"(Ada, Hopper); this one is {'.'.join(map(str, capability))}: "
                 "use attention_backend='torch' (the default, 'auto', does)"
             )
+    return name
+
+
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolve "auto" (oneDNN for float32 on CPU, where this torch has it), and check that "onednn" can run."""
+    from pagedlab.worker import cpu_linear
+
+    if name == "auto":
+        return "onednn" if cpu_linear.supported(torch.empty(0, dtype=dtype, device=device)) and dtype == torch.float32 \
+            else "torch"
+    if name == "onednn" and not cpu_linear.supported(torch.empty(0, dtype=dtype, device=device)):
+        raise ValueError(f"linear_backend='onednn' runs float32 or bfloat16 weights on CPU with oneDNN; this model is "
+                         f"{str(dtype).removeprefix('torch.')} on {device.type}"
+                         f"{'' if torch.backends.mkldnn.is_available() else ' (and this torch has no oneDNN)'}: "
+                         "use 'torch' or 'auto'")
     return name

@@ -1,0 +1,82 @@
+"""oneDNN's packed linear layers (`pagedlab.worker.cpu_linear`): close to `nn.Linear`, installed for the engine's
+calls only, repacked when a weight changes, hooks kept; greedy tokens equal Hugging Face's with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedlab.config import EngineConfig
+from pagedlab.engine import LLMEngine
+from pagedlab.worker import cpu_linear
+from pagedlab.worker.cpu_linear import PackedLinears
+from tests.helpers import hf_greedy, random_prompts, run_engine, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+def test_packed_linears_compute_what_the_modules_compute_and_leave_them_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8, bias=False))
+    x = torch.randn(7, 24)
+    expected = model(x)
+    packed = PackedLinears(model)
+    assert len(packed.modules) == 2 and packed.num_packs == 2
+    with torch.inference_mode(), packed.installed():
+        assert all("forward" in m.__dict__ for m in packed.modules)
+        got = model(x)
+        got_3d = model(x[None])[0]  # the engine's flat batch: [1, tokens, features]
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_3d, expected)
+    assert not any("forward" in m.__dict__ for m in packed.modules), "a module kept the packed forward"
+    assert torch.equal(model(x), expected)
+
+
+def test_a_weight_changed_in_place_or_replaced_is_packed_again():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    packed, x = PackedLinears(model), torch.randn(3, 16)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # a training step between two engine calls
+    with torch.inference_mode(), packed.installed():
+        torch.testing.assert_close(model(x), nn.functional.linear(x, model[0].weight, model[0].bias))
+    model[0].weight = nn.Parameter(torch.randn(8, 16))  # a tensor-parallel shard
+    model[0].bias = None
+    with torch.inference_mode(), packed.installed():
+        torch.testing.assert_close(model(x), nn.functional.linear(x, model[0].weight))
+    assert packed.num_packs == 3
+
+
+def test_hooks_still_run_and_other_dtypes_keep_their_own_forward():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.float16))
+    model[0].register_forward_hook(lambda _m, _a, out: out * 0)  # e.g. tensor parallelism's all-reduce
+    packed = PackedLinears(model)
+    assert packed.modules == [model[0]]
+    with torch.inference_mode(), packed.installed():
+        assert torch.equal(model[0](torch.randn(2, 8)), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_tokens_with_packed_linears_equal_hugging_face(family):
+    model = tiny_model(family)
+    prompts = random_prompts([5, 17, 9, 30])
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=64, linear_backend="onednn",
+                                                 enable_chunked_prefill=True, max_num_batched_tokens=16))
+    assert engine.worker.linear_backend == "onednn"
+    assert run_engine(engine, prompts, 12) == hf_greedy(model, prompts, 12)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_auto_packs_float32_on_cpu_only_and_onednn_refuses_what_it_cannot_run():
+    from pagedlab.worker.worker import resolve_linear_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_linear_backend("auto", cpu, torch.float32) == "onednn"
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_linear_backend("onednn", cpu, torch.bfloat16) == "onednn"
+    with pytest.raises(ValueError, match="linear_backend='onednn' runs float32 or bfloat16 weights on CPU"):
+        resolve_linear_backend("onednn", cpu, torch.float16)
+    with pytest.raises(ValueError, match="linear_backend must be 'auto', 'torch' or 'onednn', got 'mkl'"):
+        EngineConfig(linear_backend="mkl")
+    assert cpu_linear.supported(torch.empty(0))
