@@ -165,6 +165,7 @@ def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system
         "stats": {**dataclasses.asdict(stats), **{name: getattr(stats, name, None) for name in _PREEMPTION_STATS}},
         "num_kv_blocks": stats.num_kv_blocks,
         "block_size": stats.block_size,
+        "linear_backend": getattr(engine.worker, "linear_backend", None),
         "outputs": [[c.token_ids for c in outputs[rid].outputs] for rid in request_ids],
     }
     result.extra.update(_latencies(trace, step_times, arrived))
