@@ -22,12 +22,19 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from types import MappingProxyType
 
 import torch
 
 from pagedlab.config import EngineConfig
 from pagedlab.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlab.worker.executor import TensorParallelError, describe_ranks
+
+# Ray starts its workers at niceness 15, below every ordinary process: on a machine busy with anything else a rank
+# then gets a sliver of a core (two spinning processes on 2 cores kept both ranks from finishing `import torch` for
+# minutes, and the start-up timed out). The ranks are the engine's compute, so a local cluster the engine starts
+# runs them at the default priority; a cluster of `ray start` takes `RAY_worker_niceness=0` in its environment.
+LOCAL_CLUSTER_CONFIG = MappingProxyType({"worker_niceness": 0})  # ray.init adds its own keys to the dict it gets
 
 
 def import_ray():
@@ -94,7 +101,9 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            address = os.environ.get("RAY_ADDRESS")
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     **({} if address else {"_system_config": dict(LOCAL_CLUSTER_CONFIG)}))
         self.size, self.timeout = config.world_size, config.distributed_timeout
         self.output_rank = output_rank(config)
         self.max_concurrent_batches = config.max_concurrent_batches or config.pipeline_parallel_size

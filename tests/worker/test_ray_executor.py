@@ -17,6 +17,7 @@ from pagedlab import LLM
 from pagedlab.config import EngineConfig
 from pagedlab.worker.executor import TensorParallelError
 from pagedlab.worker.pipeline_parallel import layer_partition
+from pagedlab.worker.ray_executor import LOCAL_CLUSTER_CONFIG
 from tests.helpers import hf_greedy, random_prompts
 from tests.worker.test_pipeline_parallel import folders  # noqa: F401 - the tiny models' folders, a fixture
 from tests.worker.test_tensor_parallel import (
@@ -36,7 +37,8 @@ CLUSTER_CPUS = 2
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster of two CPUs, for this module only."""
-    ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False,
+             _system_config=dict(LOCAL_CLUSTER_CONFIG))  # the engine's own: ranks at the default priority
     yield
     ray.shutdown()
 
@@ -65,6 +67,8 @@ def test_two_stages_on_ray_equal_one_process_and_hugging_face_until_an_actor_die
     executor = llm.llm_engine.worker
     pids = executor.pids()
     assert len(pids) == 2 and all(alive(pid) for pid in pids) and os.getpid() not in pids
+    # at Ray's default niceness of 15 the ranks starved beside any busy process (start-up timed out in CI)
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [0, 0]
 
     assert greedy(llm, prompts) == hf_greedy(models["llama"], prompts, MAX_TOKENS) == greedy(one, prompts)
     stats = llm.stats()
@@ -106,3 +110,26 @@ def test_without_ray_the_backend_says_how_to_install_it(folders, monkeypatch):  
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(ValueError, match=r'needs Ray, which is not installed: pip install "pagedlab\[ray\]"'):
         LLM(paths["llama"], pipeline_parallel_size=2, distributed_executor_backend="ray", **CONFIG)
+
+
+def test_a_local_cluster_the_engine_starts_runs_its_ranks_at_the_default_priority(folders, monkeypatch):  # noqa: F811
+    """Ray's workers run at niceness 15 by default: beside any busy process the ranks starved (a start-up that
+    timed out in CI). The engine starts a local cluster with worker_niceness 0; RAY_ADDRESS's cluster keeps its own."""
+    _, paths = folders
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    for address in (None, "ray://elsewhere:10001"):
+        if address is None:
+            monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        else:
+            monkeypatch.setenv("RAY_ADDRESS", address)
+        with pytest.raises(RuntimeError, match="stop here"):
+            LLM(paths["llama"], pipeline_parallel_size=2, distributed_executor_backend="ray", **CONFIG)
+    assert calls[0]["_system_config"]["worker_niceness"] == 0 and calls[0]["address"] is None
+    assert "_system_config" not in calls[1] and calls[1]["address"] == "ray://elsewhere:10001"
