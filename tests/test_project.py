@@ -57,6 +57,16 @@ def test_kernels_install_inside_the_package_not_as_top_level_kernels(tmp_path):
     assert top_level == "None" or Path(top_level).parent != ROOT / "kernels"
 
 
+def test_transformers_imports_from_the_repository_root():
+    """From the checkout's root (the working directory of `make install`'s steps, of pytest and of a user's `python`)
+    the folder kernels/ comes first on sys.path as a top-level `kernels`. transformers 5.25 requires Hugging Face's
+    `kernels` package and imports it at `import transformers.activations`, which found ours and failed (a fresh
+    `make install` stopped there): pyproject admits only the transformers releases that do not."""
+    code = "import transformers.activations, transformers.models.llama.modeling_llama"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1]
+
+
 def test_core_imports_no_torch():
     import subprocess
 
