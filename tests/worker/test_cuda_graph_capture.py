@@ -126,7 +126,9 @@ def test_decode_graphs_record_no_host_sync_and_no_stale_value(traced_launches):
             self.output.copy_(out)
 
     model = tiny_model("mistral-window8")  # sliding window, GQA 2
-    llm = LLM(model, block_size=4, num_kv_blocks=64, attention_backend="triton", max_num_seqs=4, max_model_len=64)
+    # linear_backend "torch": as on CUDA, where graphs are recorded (oneDNN's packed weights are CPU-only and opaque)
+    llm = LLM(model, block_size=4, num_kv_blocks=64, attention_backend="triton", max_num_seqs=4, max_model_len=64,
+              linear_backend="torch")
     runner = llm.llm_engine.model_runner
     assert runner.capture_decode_graphs(4, 64, graph_class=TracingGraph), "capture failed (see the warning)"
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 1, 11])]
