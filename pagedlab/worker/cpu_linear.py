@@ -6,7 +6,7 @@ engine's shapes once the weight is reordered into its own tiles: measured on a 2
 SmolLM2-135M's shapes, the packed path is 1.2-1.5x faster for 32 to 2,048 rows, and the 49,152-row LM head,
 which MKL does not spread over a second thread, 2.8x faster at 32 rows on two threads (`scripts/bench_cpu_linear.py`).
 
-The model object stays the user's: `packed_linears(model)` keeps the packed copies beside it (a second copy of
+The model object stays the user's: `PackedLinears(model)` keeps the packed copies beside it (a second copy of
 each weight, the price of the layout), and `installed()` routes each plain `nn.Linear` through its copy for the
 duration of one engine call only, restoring the module's own forward afterwards. A weight changed in place
 since it was packed (a training step between two engine calls: its version counter moved) or replaced (a
@@ -17,7 +17,7 @@ Packing changes the order of the float additions, not the arithmetic: logits mov
 between any two GEMM libraries; greedy tokens stay those of Hugging Face's `generate()` (the equivalence tests
 run with it).
 
-# Explained in README.md (Faster than vLLM's CPU backend: the levers)
+# Explained in README.md (Benchmarks: the `vllm` comparator, the levers, measured)
 """
 
 from __future__ import annotations
@@ -28,40 +28,40 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ROW_HINT = 32  # oneDNN picks its weight tiles for a typical row count; the result is exact for any count
+ROW_HINT = 32  # oneDNN picks its weight tiles for a typical row count; any row count computes correctly
 
 
-def supported(weight: torch.Tensor) -> bool:
-    """Whether a weight can take the packed path: float32 or bfloat16 on CPU, with oneDNN in this torch build."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights can take the packed path: float32 or bfloat16 on CPU, with oneDNN in this torch build."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
 
 
 @dataclass
 class _Packed:
     weight: torch.Tensor  # the module's weight when it was packed (to see a replacement)
     version: int  # its version counter then (to see an in-place change)
-    packed: torch.Tensor  # oneDNN's copy
+    forward: object  # the module's forward through oneDNN's copy, made once per packing (not per step)
 
 
 class PackedLinears:
     """Packed copies of a model's plain `nn.Linear` weights, installed for the duration of an engine call."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.modules = [m for m in model.modules() if type(m) is nn.Linear and supported(m.weight)]
+        linears = (m for m in model.modules() if type(m) is nn.Linear)
+        self.modules = [m for m in linears if supported(m.weight.device, m.weight.dtype)]
         self._packed: dict[nn.Module, _Packed] = {}
         self.num_packs = 0  # weights packed so far (a repack after a change counts again)
         for module in self.modules:
             self._current(module)
 
-    def _current(self, module: nn.Linear) -> torch.Tensor:
+    def _current(self, module: nn.Linear):
         weight, entry = module.weight, self._packed.get(module)
         if entry is None or entry.weight is not weight or entry.version != weight._version:
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_HINT)
-            entry = self._packed[module] = _Packed(weight, weight._version, packed)
+            entry = self._packed[module] = _Packed(weight, weight._version, _forward(packed, module))
             self.num_packs += 1
-        return entry.packed
+        return entry.forward
 
     @contextlib.contextmanager
     def installed(self):
@@ -69,10 +69,10 @@ class PackedLinears:
         swapped = []
         try:
             for module in self.modules:
-                if not supported(module.weight):  # moved or converted since: its own forward
+                if not supported(module.weight.device, module.weight.dtype):  # moved or converted: its own
                     continue
                 swapped.append((module, module.__dict__.get("forward")))
-                module.forward = _forward(self._current(module), module)
+                module.forward = self._current(module)
             yield
         finally:
             for module, own in swapped:

@@ -190,9 +190,8 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     from pagedlab.worker import cpu_linear
 
     if name == "auto":
-        return "onednn" if cpu_linear.supported(torch.empty(0, dtype=dtype, device=device)) and dtype == torch.float32 \
-            else "torch"
-    if name == "onednn" and not cpu_linear.supported(torch.empty(0, dtype=dtype, device=device)):
+        return "onednn" if dtype == torch.float32 and cpu_linear.supported(device, dtype) else "torch"
+    if name == "onednn" and not cpu_linear.supported(device, dtype):
         raise ValueError(f"linear_backend='onednn' runs float32 or bfloat16 weights on CPU with oneDNN; this model is "
                          f"{str(dtype).removeprefix('torch.')} on {device.type}"
                          f"{'' if torch.backends.mkldnn.is_available() else ' (and this torch has no oneDNN)'}: "

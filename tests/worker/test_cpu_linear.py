@@ -79,4 +79,4 @@ def test_auto_packs_float32_on_cpu_only_and_onednn_refuses_what_it_cannot_run():
         resolve_linear_backend("onednn", cpu, torch.float16)
     with pytest.raises(ValueError, match="linear_backend must be 'auto', 'torch' or 'onednn', got 'mkl'"):
         EngineConfig(linear_backend="mkl")
-    assert cpu_linear.supported(torch.empty(0))
+    assert cpu_linear.supported(cpu, torch.float32) and not cpu_linear.supported(cpu, torch.float16)
