@@ -121,9 +121,13 @@ class ModelRunner:
             ).logits[0]
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        """Clear newly allocated blocks in every layer, so that masked-out slots hold finite values."""
-        if block_ids:
-            self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
+        """Clear newly allocated blocks in every layer, so that masked-out slots hold finite values.
+
+        One fill per block (each a strided view of num_layers x 2 contiguous runs) rather than one indexed
+        write: on CPU, torch's index_put with a scalar costs 4-5x more per block (16 blocks of SmolLM2's
+        cache: 1.33 ms indexed, 0.33 ms block by block)."""
+        for block_id in block_ids:
+            self.kv_cache[:, :, block_id].zero_()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole blocks (every layer, K and V) in one indexed copy, source -> copy."""

@@ -80,3 +80,12 @@ def test_auto_packs_float32_on_cpu_only_and_onednn_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="linear_backend must be 'auto', 'torch' or 'onednn', got 'mkl'"):
         EngineConfig(linear_backend="mkl")
     assert cpu_linear.supported(cpu, torch.float32) and not cpu_linear.supported(cpu, torch.float16)
+
+
+def test_a_forward_the_user_set_on_a_module_is_restored_after_the_call():
+    model = nn.Sequential(nn.Linear(8, 8))
+    own = model[0].forward = lambda x: x * 2  # an instance attribute, like a user's patch
+    packed = PackedLinears(model)
+    with packed.installed():
+        assert model[0].forward is not own
+    assert model[0].forward is own
