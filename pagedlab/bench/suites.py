@@ -93,10 +93,10 @@ def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: in
     return fit, over
 
 
-def _run_vllm(bench, workload: workloads.Workload, kv_cache_memory_bytes: int):
+def _vllm_session(bench, workload: workloads.Workload, kv_cache_memory_bytes: int) -> systems.VLLMSession:
     """vLLM over the workload from the model's own folder, in the bench model's dtype and thread count, with
-    pagedlab's KV budget (in bytes) and step budgets. The block size is vLLM's own choice (its CPU attention takes
-    only some sizes, multiples of 32 here); the table's notes give it."""
+    pagedlab's KV budget (in bytes) and step budgets, built and warmed up. The block size is vLLM's own choice (its
+    CPU attention takes only some sizes, multiples of 32 here); the table's notes give it."""
     from pathlib import Path
 
     folder = Path(str(getattr(bench.model, "name_or_path", "") or ""))
@@ -105,8 +105,8 @@ def _run_vllm(bench, workload: workloads.Workload, kv_cache_memory_bytes: int):
                          f"path (this model's name_or_path is {str(folder)!r})")
     options = {k: v for k, v in _engine_options(bench, workload).items() if k not in ("block_size", "linear_backend")}
     dtype = str(next(bench.model.parameters()).dtype).removeprefix("torch.")
-    return systems.run_vllm(str(folder), workload, dtype=dtype, threads=bench.threads, repeats=bench.options.repeats,
-                            kv_cache_memory_bytes=kv_cache_memory_bytes, **options)
+    return systems.VLLMSession(str(folder), workload, dtype=dtype, threads=bench.threads,
+                               kv_cache_memory_bytes=kv_cache_memory_bytes, **options)
 
 
 def system_table(bench, workload: workloads.Workload, name: str) -> list:
@@ -116,8 +116,24 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
     o = bench.options
     param = next(bench.model.parameters())
     bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, param.dtype).bytes_per_token
-    paged = bench.run("pagedlab", lambda bar: systems.run_pagedlab(
-        bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, **_engine_options(bench, workload)))
+    # vLLM's timed runs alternate with pagedlab's (pagedlab, vLLM, pagedlab, vLLM, ...), so that a machine that
+    # slows down for a while slows both; it is built after pagedlab's first run, which sizes the KV budget it gets.
+    sessions: list[systems.VLLMSession] = []
+
+    def then_vllm(result) -> None:
+        if not sessions:
+            num_slots = result.extra["num_kv_blocks"] * result.extra["block_size"]
+            sessions.append(_vllm_session(bench, workload, num_slots * bytes_per_token))
+        sessions[0].run_once()
+
+    try:
+        paged = bench.run("pagedlab", lambda bar: systems.run_pagedlab(
+            bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar,
+            after_each=then_vllm if "vllm" in o.compare else None, **_engine_options(bench, workload)))
+        vllm_result = sessions[0].result() if sessions else None
+    finally:
+        for session in sessions:
+            session.close()
     results = [paged]
     hf_static_runs = []
     num_slots = paged.extra["num_kv_blocks"] * paged.extra["block_size"]
@@ -143,7 +159,7 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                 bench.model, workload, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                 num_slots=num_slots, page_size=o.block_size, repeats=o.hf_repeats, bar=bar)))
         elif system == "vllm":
-            vllm = bench.run(system, lambda bar: _run_vllm(bench, workload, num_slots * bytes_per_token))
+            vllm = bench.run(system, lambda bar: vllm_result)
             results.append(vllm)
             extra = vllm.extra
             bench.note(name, f"vllm: vLLM {extra['version']} (CPU backend) in its own environment, "
@@ -174,7 +190,8 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
                   linear_flops_frac=frac)
     machine = bench.roofline.machine(roofline_batch)
     table.notes += [
-        f"times: median of {o.repeats} run(s) for pagedlab systems and vllm, {o.hf_repeats} for Hugging Face ones, "
+        f"times: median of {o.repeats} run(s) for pagedlab systems and vllm (vllm's alternating with pagedlab's), "
+        f"{o.hf_repeats} for Hugging Face ones, "
         "min-max in time_range_s; vs_pagedlab: pagedlab's output tok/s over the system's, 'tie' where the time ranges "
         "overlap",
         "kv_util and peak_kv_mb: measured from pagedlab's and the contiguous engine's block tables; for hf-static "

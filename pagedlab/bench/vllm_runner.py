@@ -1,13 +1,17 @@
 """vLLM's offline `LLM` over one pagedlab workload, for `pagedlab bench --compare vllm`, run by the Python of
 vLLM's own virtual environment (`make vllm-env` builds `.venv-vllm`):
 
-    .venv-vllm/bin/python vllm_runner.py JOB.json RESULT.json
+    .venv-vllm/bin/python vllm_runner.py JOB.json
 
 It imports vLLM and never pagedlab: the two pin different transformers, so they cannot share an environment, and
 the bench runs this file by its path. JOB holds the model folder, dtype, the prompts (token ids) and each one's
-exact output length, the engine's limits and KV budget, the warm-up size and the repeats; RESULT gets vLLM's
-version, the load time (building `LLM`, which compiles for minutes on first start; reported, never timed into
-throughput), each repeat's generation time and every request's tokens. Greedy, EOS ignored, as for every system.
+exact output length, the engine's limits and KV budget and the warm-up size. The runner builds `LLM` (it compiles
+for minutes on first start: reported, never timed into throughput), warms it up, says so, and then runs the
+workload once for each `run` line it reads on stdin, until stdin closes: the bench keeps it alive between its
+timed runs so that they alternate with pagedlab's (interleaved, so that a machine that slows down for a while
+slows both). Greedy, EOS ignored, as for every system. Its answers are stdout lines that start with `MARK`
+(vLLM logs to stdout too), each a JSON object: first the version, load time and block size, then one per run
+with its generation time and every request's tokens.
 
 vLLM's `LLM` spawns its engine-core process, so it must be built under `if __name__ == "__main__"`.
 """
@@ -18,8 +22,14 @@ import json
 import sys
 import time
 
+MARK = "pagedlab-vllm-runner "
 
-def run(job: dict) -> dict:
+
+def answer(message: dict) -> None:
+    print(MARK + json.dumps(message), flush=True)
+
+
+def serve(job: dict, commands) -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -33,31 +43,25 @@ def run(job: dict) -> dict:
         skip_tokenizer_init=job["skip_tokenizer_init"], **sized,
     )
     load_s = time.perf_counter() - start
-    block_size = llm.llm_engine.vllm_config.cache_config.block_size
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
     detokenize = not job["skip_tokenizer_init"]  # text as pagedlab makes it, where the folder has a tokenizer
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=detokenize)
               for n in job["max_tokens"]]
     warmup = job["warmup_requests"]
     llm.generate(prompts[:warmup], params[:warmup], use_tqdm=False)  # first-call costs, untimed
-    elapsed_runs, token_ids = [], None
-    for _ in range(job["repeats"]):
+    answer({"version": vllm.__version__, "load_s": load_s,
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size})
+    for command in commands:
+        if command.strip() != "run":
+            raise ValueError(f"unknown command {command.strip()!r} (the runner knows 'run')")
         if job["enable_prefix_caching"]:
-            llm.reset_prefix_cache()  # each repeat computes its prompts, as the first did
+            llm.reset_prefix_cache()  # each run computes its prompts, as the first did
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed_runs.append(time.perf_counter() - start)
-        run_tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        if token_ids is not None and run_tokens != token_ids:
-            raise RuntimeError("vLLM's greedy tokens changed between repeats")
-        token_ids = run_tokens
-    return {"version": vllm.__version__, "load_s": load_s, "elapsed_runs": elapsed_runs, "token_ids": token_ids,
-            "block_size": block_size}
+        elapsed = time.perf_counter() - start
+        answer({"elapsed_s": elapsed, "token_ids": [list(o.outputs[0].token_ids) for o in outputs]})
 
 
 if __name__ == "__main__":
-    job_path, result_path = sys.argv[1:3]
-    with open(job_path) as f:
-        result = run(json.load(f))
-    with open(result_path, "w") as f:
-        json.dump(result, f)
+    with open(sys.argv[1]) as f:
+        serve(json.load(f), sys.stdin)

@@ -38,6 +38,9 @@ class LLM:
     def __init__(self, **kwargs):
         if os.environ.get("FAKE_VLLM_FAIL"):
             raise RuntimeError("the stand-in refuses to start")
+        if os.environ.get("FAKE_VLLM_HANG"):
+            import time
+            time.sleep(600)
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
             json.dump({"kwargs": kwargs, "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}, f)
 
@@ -50,6 +53,9 @@ class LLM:
         pass
 
     def generate(self, prompts, params, use_tqdm=True):
+        if os.environ.get("FAKE_VLLM_EVENTS"):
+            with open(os.environ["FAKE_VLLM_EVENTS"], "a") as f:
+                f.write(f"vllm {len(prompts)}\\n")
         return [_RequestOutput([(sum(p["prompt_token_ids"]) + i) % 128 for i in range(s.max_tokens)])
                 for p, s in zip(prompts, params)]
 '''
@@ -96,6 +102,32 @@ def test_vllm_joins_the_chat_table_with_pagedlabs_settings(tmp_path, stand_in_vl
     assert "vLLM 0.0-stand-in" in notes and "untimed" in notes and "blocks of 32 (vLLM's choice)" in notes
 
 
+def test_vllms_timed_runs_alternate_with_pagedlabs(tmp_path, monkeypatch, stand_in_vllm):
+    """Interleaved: pagedlab, vLLM (built after pagedlab's first run sizes its KV budget, then warmed up on
+    VLLM_WARMUP_REQUESTS), pagedlab, vLLM, ...; one vLLM process for all its runs, ended with the bench."""
+    from transformers import AutoModelForCausalLM
+
+    events = tmp_path / "events.txt"
+    monkeypatch.setenv("FAKE_VLLM_EVENTS", str(events))
+    run_once = systems._run_pagedlab_once
+
+    def recorded(*args):
+        with events.open("a") as f:
+            f.write("pagedlab\n")
+        return run_once(*args)
+
+    monkeypatch.setattr(systems, "_run_pagedlab_once", recorded)
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder(tmp_path))
+    report = run_benchmark("chat", model=model, progress=False, compare=("vllm",), **{**TINY, "repeats": 3})
+    n = TINY["num_requests"]
+    warmup = f"vllm {min(systems.VLLM_WARMUP_REQUESTS, n)}"
+    assert events.read_text().split("\n")[:-1] == ["pagedlab", warmup, f"vllm {n}", "pagedlab", f"vllm {n}",
+                                                    "pagedlab", f"vllm {n}"]
+    vllm = next(r for r in report.results if r.system == "vllm")
+    assert len(vllm.elapsed_runs) == 3
+    assert "alternating with pagedlab's" in " ".join(report.tables["chat"].notes)
+
+
 def test_vllm_refused_with_what_to_do(tmp_path, monkeypatch, stand_in_vllm):
     monkeypatch.setenv("PAGEDLAB_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     with pytest.raises(ValueError, match="make vllm-env"):
@@ -116,6 +148,16 @@ def test_a_failing_vllm_runner_is_an_error_with_its_output(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="(?s)vLLM's runner failed.*the stand-in refuses to start"):
         systems.run_vllm(str(tiny_folder(tmp_path)), workload, dtype="float32", threads=1, max_num_seqs=8,
                          max_num_batched_tokens=64, max_model_len=32, kv_cache_memory_bytes=1 << 20)
+
+
+def test_a_runner_that_does_not_answer_is_stopped_with_an_error(tmp_path, monkeypatch, stand_in_vllm):
+    from pagedlab.bench import workloads
+
+    monkeypatch.setenv("FAKE_VLLM_HANG", "1")
+    workload = workloads.chat(None, 128, 2, 0, (5, 10), 4, (2, 6))
+    with pytest.raises(RuntimeError, match=r"vLLM's runner failed \(no answer within 2 s\)"):
+        systems.VLLMSession(str(tiny_folder(tmp_path)), workload, dtype="float32", threads=1, max_num_seqs=8,
+                            max_num_batched_tokens=64, max_model_len=32, kv_cache_memory_bytes=1 << 20, timeout_s=2)
 
 
 @pytest.mark.slow
