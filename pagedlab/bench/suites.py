@@ -18,8 +18,8 @@ SYSTEM_COLUMNS = (
 COLUMNS = {
     "chat": SYSTEM_COLUMNS,
     "nano-vllm": SYSTEM_COLUMNS,
-    "prefix": ("prefix_caching", "requests", "prefill_tokens", "prefill_cut", "ttft_p50_s", "time_s", "output_tok_s",
-               "hit_rate", "outputs_identical"),
+    "prefix": ("system", "prefix_caching", "requests", "prefill_tokens", "prefill_cut", "ttft_p50_s", "time_s",
+               "time_range_s", "output_tok_s", "hit_rate", "outputs_identical"),
     "sharing": ("mode", "requests", "sequences", "output_tokens", "time_s", "output_tok_s", "peak_blocks_shared",
                 "peak_blocks_unshared", "saving"),
     "pressure": ("preemption_mode", "kv_blocks", "time_s", "time_range_s", "vs_recompute", "output_tok_s",
@@ -93,7 +93,8 @@ def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: in
     return fit, over
 
 
-def _vllm_session(bench, workload: workloads.Workload, kv_cache_memory_bytes: int) -> systems.VLLMSession:
+def _vllm_session(bench, workload: workloads.Workload, kv_cache_memory_bytes: int,
+                  **overrides) -> systems.VLLMSession:
     """vLLM over the workload from the model's own folder, in the bench model's dtype and thread count, with
     pagedlab's KV budget (in bytes) and step budgets, built and warmed up. The block size is vLLM's own choice (its
     CPU attention takes only some sizes, multiples of 32 here); the table's notes give it."""
@@ -103,7 +104,8 @@ def _vllm_session(bench, workload: workloads.Workload, kv_cache_memory_bytes: in
     if not (folder / "config.json").exists():
         raise ValueError("the vllm comparator loads the model from its folder: give the bench a model by name or "
                          f"path (this model's name_or_path is {str(folder)!r})")
-    options = {k: v for k, v in _engine_options(bench, workload).items() if k not in ("block_size", "linear_backend")}
+    options = {k: v for k, v in _engine_options(bench, workload, **overrides).items()
+               if k not in ("block_size", "linear_backend")}
     dtype = str(next(bench.model.parameters()).dtype).removeprefix("torch.")
     return systems.VLLMSession(str(folder), workload, dtype=dtype, threads=bench.threads,
                                kv_cache_memory_bytes=kv_cache_memory_bytes, **options)
@@ -268,27 +270,59 @@ def sweep(bench, workload: workloads.Workload, measured: list = ()) -> None:
 
 
 def prefix(bench) -> None:
+    """pagedlab with prefix caching off and on; with `--compare vllm`, vLLM with its prefix caching on, its runs
+    alternating with those of pagedlab's with caching on."""
+    from pagedlab.worker.kv_cache import KVCacheSpec
+
     o = bench.options
     workload = workloads.shared_prefix(bench.tokenizer, bench.vocab_size, o.num_requests or 64, o.prefix_len,
                                        max_tokens=o.prefix_max_tokens, seed=o.seed)
     bench.describe(workload)
     table = Table("prefix: one shared system prompt, prefix caching off vs on", COLUMNS["prefix"])
+    bytes_per_token = KVCacheSpec.from_model_config(bench.model.config,
+                                                    next(bench.model.parameters()).dtype).bytes_per_token
+    sessions: list[systems.VLLMSession] = []
+
+    def then_vllm(result) -> None:
+        if not sessions:
+            num_slots = result.extra["num_kv_blocks"] * result.extra["block_size"]
+            sessions.append(_vllm_session(bench, workload, num_slots * bytes_per_token,
+                                          enable_prefix_caching=True))
+        sessions[0].run_once()
+
     runs = {}
-    for caching in (False, True):
-        runs[caching] = r = bench.run(f"prefix caching {'on' if caching else 'off'}", lambda bar, c=caching:
-            systems.run_pagedlab(bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar,
-                                 **_engine_options(bench, workload, enable_prefix_caching=c)))
+    try:
+        for caching in (False, True):
+            after_each = then_vllm if caching and "vllm" in o.compare else None
+            runs[caching] = bench.run(
+                f"prefix caching {'on' if caching else 'off'}", lambda bar, c=caching, a=after_each:
+                systems.run_pagedlab(bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, after_each=a,
+                                     **_engine_options(bench, workload, enable_prefix_caching=c)))
+        vllm = bench.run("vllm", lambda bar: sessions[0].result()) if sessions else None
+    finally:
+        for session in sessions:
+            session.close()
     decode_tokens = sum(spec.max_tokens - 1 for spec in workload.requests)
     prefill = {c: r.extra["stats"]["num_computed_tokens"] - decode_tokens for c, r in runs.items()}
     for caching, r in runs.items():
-        table.add(prefix_caching=caching, requests=r.num_requests, prefill_tokens=prefill[caching],
+        table.add(system="pagedlab", prefix_caching=caching, requests=r.num_requests, prefill_tokens=prefill[caching],
                   prefill_cut=1 - prefill[caching] / prefill[False],
                   ttft_p50_s=run_metrics.percentile(r.extra["ttft_s"], 50),
-                  time_s=r.elapsed_s, output_tok_s=r.output_tokens_per_s,
+                  time_s=r.elapsed_s, time_range_s=_range(r.elapsed_runs), output_tok_s=r.output_tokens_per_s,
                   hit_rate=r.extra["stats"]["prefix_cache_hits"] / max(r.extra["stats"]["prefix_cache_queries"], 1),
                   outputs_identical=r.token_ids == runs[False].token_ids)
+    if vllm is not None:
+        table.add(system="vllm", prefix_caching=True, requests=vllm.num_requests, prefill_tokens=None,
+                  prefill_cut=None, ttft_p50_s=None, hit_rate=None, time_s=vllm.elapsed_s,
+                  time_range_s=_range(vllm.elapsed_runs), output_tok_s=vllm.output_tokens_per_s,
+                  outputs_identical=vllm.token_ids == runs[False].token_ids)
+        table.notes.append(f"vllm: vLLM {vllm.extra['version']} (CPU backend) with its prefix caching on (reset "
+                           "before each run), its runs alternating with pagedlab's with caching on; the same KV "
+                           f"budget in bytes, blocks of {vllm.extra['block_size']} (vLLM's choice), "
+                           f"{vllm.extra['threads']} OpenMP thread(s); outputs_identical: its greedy tokens against "
+                           "pagedlab's")
     table.notes.append("prefill_tokens: prompt tokens run through the model; target cut >= 80%; "
-                       "ttft: every request arrives at t=0")
+                       "ttft: every request arrives at t=0; times: medians of --repeats runs, min-max in time_range_s")
     bench.add_table("prefix", table)
 
 

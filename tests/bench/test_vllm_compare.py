@@ -128,6 +128,22 @@ def test_vllms_timed_runs_alternate_with_pagedlabs(tmp_path, monkeypatch, stand_
     assert "alternating with pagedlab's" in " ".join(report.tables["chat"].notes)
 
 
+def test_vllm_joins_the_prefix_table_with_its_prefix_caching_on(tmp_path, stand_in_vllm):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder(tmp_path))
+    report = run_benchmark("prefix", model=model, progress=False, compare=("vllm",),
+                           **{**TINY, "num_requests": 4, "max_num_batched_tokens": 64, "repeats": 2})
+    rows = report.tables["prefix"].rows
+    assert [(r["system"], r["prefix_caching"]) for r in rows] == [("pagedlab", False), ("pagedlab", True),
+                                                                  ("vllm", True)]
+    assert rows[2]["output_tok_s"] > 0 and rows[2]["outputs_identical"] is False  # the stand-in's made-up tokens
+    assert json.loads(stand_in_vllm.read_text())["kwargs"]["enable_prefix_caching"] is True
+    vllm = next(r for r in report.results if r.system == "vllm")
+    assert len(vllm.elapsed_runs) == 2
+    assert "alternating with pagedlab's with caching on" in " ".join(report.tables["prefix"].notes)
+
+
 def test_vllm_refused_with_what_to_do(tmp_path, monkeypatch, stand_in_vllm):
     monkeypatch.setenv("PAGEDLAB_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     with pytest.raises(ValueError, match="make vllm-env"):
