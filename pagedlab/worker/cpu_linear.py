@@ -73,7 +73,7 @@ class PackedLinears:
         try:
             for module in self.modules:
                 weight = module.weight
-                if weight.device.type != "cpu" or weight.dtype not in _DTYPES:  # moved or converted: its own
+                if not supported(weight.device, weight.dtype):  # moved or converted since: its own forward
                     continue
                 attributes = module.__dict__
                 swapped.append((attributes, attributes.get("forward")))
