@@ -27,7 +27,8 @@ class EngineConfig:
         before anything imports triton), or "auto": Triton on CUDA when it is installed, else torch.
     linear_backend: how the model's linear layers run on CPU: "onednn" (their weights packed once into oneDNN's
         layout, a second copy of them, used for the engine's calls only: `pagedlab.worker.cpu_linear`), "torch"
-        (the model's own `nn.Linear`), or "auto" (default): oneDNN for a float32 model on CPU, else torch.
+        (the model's own `nn.Linear`), or "auto" (default): oneDNN on CPU for a float32 model, and for a bfloat16
+        one where the CPU has bfloat16 arithmetic (AVX512-BF16, AMX); else torch.
     enforce_eager: never record decode steps as CUDA graphs (vLLM's name). By default, on CUDA with the Triton
         backend, pure-decode steps replay graphs recorded at start-up for padded batch sizes up to max_num_seqs
         (`pagedlab.worker.cuda_graph`); elsewhere everything runs eagerly anyway.

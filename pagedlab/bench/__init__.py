@@ -40,7 +40,9 @@ class BenchOptions:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    linear_backend: str = "auto"  # pagedlab's linear layers: "auto" (oneDNN for float32 on CPU), "onednn", "torch"
+    # pagedlab's linear layers: "auto" (oneDNN on CPU for float32, and bfloat16 where the CPU computes in it),
+    # "onednn", "torch"
+    linear_backend: str = "auto"
     seed: int = 0
     prompt_len: tuple[int, int] = (20, 400)  # chat, pressure, serving
     output_mean: float = 128

@@ -61,13 +61,19 @@ def _cell(value) -> str:
 
 
 def cpu_model() -> str:
+    """The CPU's model name and the widest vector instructions torch's kernels use on it ("AMD EPYC with AVX512"):
+    machines of one name differ in that (AVX2 on one day's EPYC, AVX-512 on another's), and speeds with it."""
+    import torch
+
+    name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return f"{name} with {torch.backends.cpu.get_cpu_capability()}"
 
 
 def machine_info(model) -> dict:

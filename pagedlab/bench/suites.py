@@ -187,8 +187,9 @@ def system_table(bench, workload: workloads.Workload, name: str) -> list:
     if paged.extra.get("linear_backend") == "onednn" and any(s.startswith("hf") or s == "pagedlab-contiguous"
                                                               for s in o.compare):
         bench.note(name, "pagedlab's linear layers run through oneDNN on packed weights (linear_backend, the "
-                   "default for float32 on CPU), the Hugging Face comparators' and the contiguous engine's through "
-                   "torch's nn.Linear: --linear-backend torch compares the batching alone")
+                   "default on CPU for float32, and for bfloat16 where the CPU computes in it), the Hugging Face "
+                   "comparators' and the contiguous engine's through torch's nn.Linear: --linear-backend torch "
+                   "compares the batching alone")
     roofline_batch = o.max_num_seqs
     table = Table(f"{name}: throughput per system", COLUMNS[name])
     for result in results:

@@ -447,6 +447,11 @@ class VLLMSession:
             raise RuntimeError(f"vLLM's runner failed ({why}):\n" + "\n".join(errors or self._stdout_tail))
         return message
 
+    @property
+    def pid(self) -> int:
+        """The runner's process id (vLLM's engine-core and worker processes are its children)."""
+        return self._process.pid
+
     def run_once(self) -> float:
         """Time the workload once; its seconds."""
         self._process.stdin.write("run\n")

@@ -37,6 +37,16 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and torch.backends.mkldnn.is_available()
 
 
+def preferred(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `linear_backend="auto"` packs: float32 wherever it can, bfloat16 where the CPU has bfloat16
+    arithmetic (AVX512-BF16, AMX; `mkldnn._is_mkldnn_bf16_supported`). Measured on a 2-core AMD EPYC with
+    AVX512-BF16, 1 thread, the chat bench's 32 requests: bfloat16 41.0 s packed against 55.7 s with `nn.Linear`
+    (medians of 2 alternated runs, the same greedy tokens); on a CPU without it, unmeasured, `nn.Linear` stays."""
+    if not supported(device, dtype):
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 @dataclass
 class _Packed:
     weight: torch.Tensor  # the module's weight when it was packed (to see a replacement)

@@ -186,11 +186,12 @@ def resolve_attention_backend(name: str, device: torch.device, kv_cache_dtype: t
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Resolve "auto" (oneDNN for float32 on CPU, where this torch has it), and check that "onednn" can run."""
+    """Resolve "auto" (oneDNN on CPU for float32, and for bfloat16 where the CPU computes in it:
+    `cpu_linear.preferred`), and check that "onednn" can run."""
     from pagedlab.worker import cpu_linear
 
     if name == "auto":
-        return "onednn" if dtype == torch.float32 and cpu_linear.supported(device, dtype) else "torch"
+        return "onednn" if cpu_linear.preferred(device, dtype) else "torch"
     if name == "onednn" and not cpu_linear.supported(device, dtype):
         raise ValueError(f"linear_backend='onednn' runs float32 or bfloat16 weights on CPU with oneDNN; this model is "
                          f"{str(dtype).removeprefix('torch.')} on {device.type}"

@@ -219,3 +219,13 @@ def test_calibrate_fits_and_measures_its_error(tmp_path):
     calibration = load_calibration(tmp_path / "calibration.json")
     assert calibration.error["steps"]["chat"]["num_steps"] == errors["chat"]["steps"]
     assert calibration.preemption.copy_bytes_per_s > 0 and calibration.kv_bytes_per_token > 0
+
+
+def test_the_cpu_is_named_with_its_vector_instructions():
+    """Figures are recorded with the CPU, and machines of one model name differ in their widest vector unit."""
+    import torch
+
+    from pagedlab.bench.report import cpu_model
+
+    name = cpu_model()
+    assert name.endswith(f" with {torch.backends.cpu.get_cpu_capability()}") and len(name) > len(" with AVX2")

@@ -176,6 +176,19 @@ def test_a_runner_that_does_not_answer_is_stopped_with_an_error(tmp_path, monkey
                             max_num_batched_tokens=64, max_model_len=32, kv_cache_memory_bytes=1 << 20, timeout_s=2)
 
 
+def test_the_session_names_its_runners_process(tmp_path, stand_in_vllm):
+    """`pid` is the runner's process (a profiler attaches to it and its children), alive until the session closes."""
+    from pagedlab.bench import workloads
+
+    workload = workloads.chat(None, 128, 2, 0, (5, 10), 4, (2, 6))
+    with systems.VLLMSession(str(tiny_folder(tmp_path)), workload, dtype="float32", threads=1, max_num_seqs=8,
+                             max_num_batched_tokens=64, max_model_len=32, kv_cache_memory_bytes=1 << 20) as session:
+        os.kill(session.pid, 0)  # alive: no error
+        session.run_once()
+    with pytest.raises(ProcessLookupError):
+        os.kill(session.pid, 0)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (Path.cwd() / systems.VLLM_VENV / ".vllm-installed").exists()
                     and not os.environ.get("PAGEDLAB_VLLM_PYTHON"), reason="no vLLM environment (make vllm-env)")

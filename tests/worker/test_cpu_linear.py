@@ -68,12 +68,13 @@ def test_greedy_tokens_with_packed_linears_equal_hugging_face(family):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_auto_packs_float32_on_cpu_only_and_onednn_refuses_what_it_cannot_run():
+def test_auto_packs_float32_and_native_bfloat16_on_cpu_and_onednn_refuses_what_it_cannot_run():
     from pagedlab.worker.worker import resolve_linear_backend
 
     cpu = torch.device("cpu")
     assert resolve_linear_backend("auto", cpu, torch.float32) == "onednn"
-    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("onednn" if native_bf16 else "torch")
     assert resolve_linear_backend("onednn", cpu, torch.bfloat16) == "onednn"
     with pytest.raises(ValueError, match="linear_backend='onednn' runs float32 or bfloat16 weights on CPU"):
         resolve_linear_backend("onednn", cpu, torch.float16)
