@@ -33,7 +33,7 @@ JIT = re.compile(r"^0x[0-9a-f]+ \(\?\)$")  # code without a symbol: oneDNN's JIT
 
 def _linear(stack: str, leaf: str) -> bool:
     return bool(re.search(r"dnnl|brgemm|mkldnn|onednn|cpu_linear\.py|sgemm|mkl_", stack, re.I)) or (
-        JIT.match(leaf) is not None and ("Runner.call" in stack or "cpu_linear" in stack or "linear" in stack))
+        JIT.match(leaf) is not None and re.search(r"Runner\.call|linear", stack) is not None)
 
 
 PARTS = [  # (part, test on (whole stack, its innermost frame)); the first that matches takes the sample
@@ -100,14 +100,17 @@ def main() -> None:
 
     import torch
 
-    from pagedlab.bench import systems, workloads
+    from pagedlab.bench import BenchOptions, systems, workloads
     from pagedlab.bench.report import cpu_model
     from pagedlab.models import embedded_model_dir, load_model
+    from pagedlab.worker.kv_cache import KVCacheSpec
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(None, None, dtype=args.dtype)
     workload = workloads.chat(tokenizer, model.config.vocab_size, num_requests=args.num_requests)
-    limits = dict(max_num_seqs=256, max_model_len=workload.max_len, max_num_batched_tokens=2048)
+    bench = BenchOptions()  # the bench's step budgets
+    limits = dict(max_num_seqs=bench.max_num_seqs, max_model_len=workload.max_len,
+                  max_num_batched_tokens=bench.max_num_batched_tokens)
     out = Path(args.out or tempfile.mkdtemp(prefix="pagedlab-profile-"))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -120,9 +123,7 @@ def main() -> None:
     sampler.stop()
     samples["pagedlab"] = classify(out / "pagedlab.txt", lambda stack: "Thread._bootstrap" not in stack)
 
-    config = model.config
-    bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * \
-        (config.hidden_size // config.num_attention_heads) * torch.finfo(model.dtype).bits // 8
+    bytes_per_token = KVCacheSpec.from_model_config(model.config, model.dtype).bytes_per_token
     with systems.VLLMSession(str(embedded_model_dir()), workload, dtype=args.dtype, threads=args.threads,
                              kv_cache_memory_bytes=num_slots * bytes_per_token, **limits) as session:
         seconds["vllm"] = session.run_once()
