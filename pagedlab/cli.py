@@ -169,6 +169,8 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--block-size", type=int, default=16)
     bench.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default="auto",
                        help="pagedlab's linear layers on CPU (default auto: oneDNN for float32)")
+    bench.add_argument("--no-cpu-fused-ops", action="store_true",
+                       help="pagedlab's norms and MLPs through the model's own modules, not one-pass C++ ops")
     bench.add_argument("--scale", type=float, default=1.0,
                        help="nano-vllm, calibrate: shrink lengths and request count")
     bench.add_argument("--request-rate", type=_floats, default=(1.0,), help="serving: requests/s, comma-separated")
@@ -205,7 +207,7 @@ def _bench(args) -> int:
         progress=not args.no_progress, compare=args.compare, num_requests=args.num_requests, repeats=args.repeats,
         hf_repeats=args.hf_repeats, batch_sizes=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        linear_backend=args.linear_backend, scale=args.scale,
+        linear_backend=args.linear_backend, cpu_fused_ops=not args.no_cpu_fused_ops, scale=args.scale,
         request_rates=args.request_rate, endpoint=args.endpoint, serving_via=args.serving_via,
         sweep_max_num_seqs=args.sweep_max_num_seqs,
         overhead_sizes=args.overhead_sizes, overhead_real_sizes=args.overhead_sizes[:1],

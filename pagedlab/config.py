@@ -29,6 +29,8 @@ class EngineConfig:
         layout, a second copy of them, used for the engine's calls only: `pagedlab.worker.cpu_linear`), "torch"
         (the model's own `nn.Linear`), or "auto" (default): oneDNN on CPU for a float32 model, and for a bfloat16
         one where the CPU has bfloat16 arithmetic (AVX512-BF16, AMX); else torch.
+    cpu_fused_ops: on CPU, run Llama-style RMSNorm and MLP modules (those whose `forward` is Llama's) through
+        one-pass C++ ops, for the engine's calls only (`pagedlab.worker.cpu_fused`); False: their own forward.
     enforce_eager: never record decode steps as CUDA graphs (vLLM's name). By default, on CUDA with the Triton
         backend, pure-decode steps replay graphs recorded at start-up for padded batch sizes up to max_num_seqs
         (`pagedlab.worker.cuda_graph`); elsewhere everything runs eagerly anyway.
@@ -80,6 +82,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    cpu_fused_ops: bool = True
     enforce_eager: bool = False
     preemption_mode: str = "auto"
     swap_space: float = 4.0

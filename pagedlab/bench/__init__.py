@@ -43,6 +43,7 @@ class BenchOptions:
     # pagedlab's linear layers: "auto" (oneDNN on CPU for float32, and bfloat16 where the CPU computes in it),
     # "onednn", "torch"
     linear_backend: str = "auto"
+    cpu_fused_ops: bool = True  # pagedlab's norms and MLPs through one-pass C++ ops on CPU (EngineConfig's)
     seed: int = 0
     prompt_len: tuple[int, int] = (20, 400)  # chat, pressure, serving
     output_mean: float = 128

@@ -46,7 +46,7 @@ def _engine_options(bench, workload: workloads.Workload, **overrides) -> dict:
     longest_prompt = max(r.num_prompt_tokens for r in workload.requests)
     options = dict(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_model_len=workload.max_len,
                    max_num_batched_tokens=max(o.max_num_batched_tokens, longest_prompt), seed=o.seed,
-                   linear_backend=o.linear_backend)
+                   linear_backend=o.linear_backend, cpu_fused_ops=o.cpu_fused_ops)
     options.update(overrides)
     return options
 
@@ -119,7 +119,7 @@ class _VLLMAlongside:
     def after_each(self, paged) -> None:
         if self.session is None:
             options = {k: v for k, v in _engine_options(self.bench, self.workload, **self.overrides).items()
-                       if k not in ("block_size", "linear_backend")}
+                       if k not in ("block_size", "linear_backend", "cpu_fused_ops")}
             num_slots = paged.extra["num_kv_blocks"] * paged.extra["block_size"]
             self.session = systems.VLLMSession(
                 str(self.folder), self.workload, dtype=str(self.dtype).removeprefix("torch."),

@@ -34,6 +34,8 @@ import torch
 logger = logging.getLogger("pagedlab")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+# built into the same extension: Llama's RMSNorm and SiLU-and-multiply in one pass (`pagedlab.worker.cpu_fused`)
+FUSED_SOURCE = SOURCE.with_name("fused_cpu.cpp")
 CACHE_DIR = Path(os.environ.get("PAGEDLAB_CACHE", Path.home() / ".cache" / "pagedlab")) / "torch_extensions"
 
 
@@ -72,16 +74,18 @@ def build_name() -> str:
     the source lies is left out (the build compiles a copy kept beside it), and torch's folder is in: torch's build
     file names its headers by that path, so two torch installs sharing one name would rebuild on every load."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_text(), " ".join(compiler_flags()), torch.__version__, str(Path(torch.__file__).parent),
-                 sysconfig.get_paths()["include"], _cpu_signature()):
+    for part in (SOURCE.read_text(), FUSED_SOURCE.read_text(), " ".join(compiler_flags()), torch.__version__,
+                 str(Path(torch.__file__).parent), sysconfig.get_paths()["include"], _cpu_signature()):
         digest.update(part.encode())
     return f"pagedlab_paged_decode_cpu_{digest.hexdigest()[:16]}"
 
 
-def _source_copy(directory: Path) -> Path:
-    """The source, copied into the build folder (written atomically, once): the path torch's build file names."""
-    copy = directory / SOURCE.name
-    text = SOURCE.read_text()
+def _source_copy(directory: Path, source: Path | None = None) -> Path:
+    """A source (default the attention kernel's), copied into the build folder (written atomically, once): the
+    path torch's build file names."""
+    source = source or SOURCE
+    copy = directory / source.name
+    text = source.read_text()
     if not copy.exists() or copy.read_text() != text:
         partial = copy.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(text)
@@ -108,7 +112,8 @@ def load() -> KernelBuild:
         directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(directory / "lock")
         flags = compiler_flags()
-        cpp_extension.load(name, [str(_source_copy(directory))], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        sources = [str(_source_copy(directory, source)) for source in (SOURCE, FUSED_SOURCE)]
+        cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(directory), verbose=False, is_python_module=False)
         module = getattr(torch.ops, name)  # the operators it registered (TORCH_LIBRARY), paged_decode among them
     except Exception as error:  # no compiler, no OpenMP, no ninja, a read-only home...: the torch path runs

@@ -57,8 +57,10 @@ class _Packed:
 class PackedLinears:
     """Packed copies of a model's plain `nn.Linear` weights, installed for the duration of an engine call."""
 
-    def __init__(self, model: nn.Module) -> None:
-        linears = (m for m in model.modules() if type(m) is nn.Linear)
+    def __init__(self, model: nn.Module, skip: frozenset[nn.Module] = frozenset()) -> None:
+        """`skip`: linear layers left unpacked because something else computes them (`cpu_fused`'s gate and up
+        projections, packed there as one)."""
+        linears = (m for m in model.modules() if type(m) is nn.Linear and m not in skip)
         self.modules = [m for m in linears if supported(m.weight.device, m.weight.dtype)]
         self._packed: dict[nn.Module, _Packed] = {}
         self.num_packs = 0  # weights packed so far (a repack after a change counts again)
@@ -68,9 +70,7 @@ class PackedLinears:
     def _current(self, module: nn.Linear, weight: torch.Tensor):
         entry = self._packed.get(module)
         if entry is None or entry.weight is not weight or entry.version != weight._version:
-            with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_HINT)
-            entry = self._packed[module] = _Packed(weight, weight._version, _forward(packed, module))
+            entry = self._packed[module] = _Packed(weight, weight._version, _forward(pack(weight), module))
             self.num_packs += 1
         return entry.forward
 
@@ -97,8 +97,19 @@ class PackedLinears:
                     attributes["forward"] = own
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a [out, in] weight in oneDNN's blocked layout, for `packed_linear`."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias, the weight packed by `pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _forward(packed: torch.Tensor, module: nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+        return packed_linear(x, packed, module.bias)
 
     return forward

@@ -20,7 +20,9 @@ import torch
 
 from pagedlab.core.block_table import cdiv
 from pagedlab.core.sched_output import ModelRunnerOutput, ScheduledRequest
+from pagedlab.worker import cpu_attention
 from pagedlab.worker.attention import ATTENTION_NAME, AttentionMetadata, PagedAttentionContext, PrefillChunk
+from pagedlab.worker.cpu_fused import FusedModules
 from pagedlab.worker.cpu_linear import PackedLinears
 from pagedlab.worker.cuda_graph import CudaGraph, DecodeGraphs
 from pagedlab.worker.kv_cache import KVCacheSpec
@@ -79,6 +81,7 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, seed: int,
         attention_backend: str = "torch", last_stage: bool = True, linear_backend: str = "torch",
+        cpu_fused_ops: bool = False,
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend
@@ -90,8 +93,12 @@ class ModelRunner:
         self.kv_cache = spec.allocate(num_blocks, block_size, self.device)
         self.kv_scales = KVScales.ones(spec.num_layers, spec.dtype, self.device) if is_quantized(spec.dtype) else None
         self.sampler = Sampler(seed, self.device)
+        # Llama-style norms and MLPs through one-pass C++ ops on CPU, in the engine's calls only (cpu_fused)
+        kernel = cpu_attention.kernel() if cpu_fused_ops and self.device.type == "cpu" else None
+        self.fused = FusedModules(model, kernel, linear_backend == "onednn") if kernel is not None else None
         # "onednn": the linear layers' weights packed once for oneDNN, used in the engine's calls only
-        self.linears = PackedLinears(model) if linear_backend == "onednn" else None
+        skip = self.fused.gate_up_layers if self.fused is not None else frozenset()
+        self.linears = PackedLinears(model, skip) if linear_backend == "onednn" else None
         self.decode_graphs: DecodeGraphs | None = None
         # False on a pipeline stage before the last (`pagedlab.worker.pipeline_parallel`): its forward pass sends
         # the hidden states on, and there is nothing to sample
@@ -111,7 +118,8 @@ class ModelRunner:
     def _forward(self, input_ids, positions, context: PagedAttentionContext, logits_to_keep=0) -> torch.Tensor:
         """The unmodified model on one flat row, with pagedlab's attention: logits [rows kept, vocab]."""
         linears = self.linears.installed() if self.linears is not None else contextlib.nullcontext()
-        with engine_call(self.model, ATTENTION_NAME), linears:
+        fused = self.fused.installed() if self.fused is not None else contextlib.nullcontext()
+        with engine_call(self.model, ATTENTION_NAME), linears, fused:
             return self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],

@@ -52,7 +52,7 @@ class Worker:
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.model_runner = ModelRunner(
             model, self.spec, self.num_blocks, config.block_size, config.seed, self.attention_backend, last_stage,
-            self.linear_backend,
+            self.linear_backend, config.cpu_fused_ops,
         )
         graphs = not config.enforce_eager and self.model_runner.kv_scales is None  # fp8: eager (graphs unchecked)
         if self.device.type == "cuda" and self.attention_backend == "triton" and graphs:

@@ -1,0 +1,141 @@
+// Llama's RMSNorm and its MLP's SiLU-and-multiply, one pass over the rows each, on CPU.
+//
+// rms_norm(out, x, weight, eps)      out = weight * (x / sqrt(mean(x^2) + eps)), over the last dim
+//   x, out: [rows, hidden] (any row stride; hidden contiguous); weight: [hidden]
+// silu_and_mul(out, gate, up)       out = silu(gate) * up
+//   gate, up, out: [rows, inter] (any row strides: gate and up may be the two halves of one fused projection)
+//
+// Each replaces a chain of torch operators that each read and write the whole tensor (RMSNorm: a widening copy,
+// pow, mean, add, rsqrt, two multiplies; the MLP: SiLU, then a multiply), so one pass instead of six or two:
+// on a 1,600-token prefill that is memory traffic, on a decode step it is operator dispatch. Rounding follows
+// Hugging Face's modules: arithmetic in float32, the normalised row rounded to the input's dtype before the
+// weight multiplies it, SiLU rounded before the multiply; only the order of the sum of squares differs (as
+// between any two reductions).
+// Explained in README.md (Benchmarks: the levers)
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+template <typename T>
+inline float widen(T v) { return static_cast<float>(v); }
+
+// exp(x) for the SiLU, in a form the compiler vectorises (std::exp stays a scalar call without -ffast-math):
+// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7, about
+// one float ulp), times 2^n built from the exponent bits. Below -87 it is exp(-87) (against 1 in the SiLU's
+// 1 + exp(-g), nothing), above 88.7 infinity (float's own overflow, so that silu(-huge) is -0, as torch's).
+inline float exp_approx(float x) {
+  const bool overflows = x > 88.72f;
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float t = x * 1.44269504088896341f;
+  const int32_t k = static_cast<int32_t>(t + (t < 0.0f ? -0.5f : 0.5f));  // nearest integer
+  const float n = static_cast<float>(k);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // the high part exact in float
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  union { int32_t i; float f; } scale = {(k + 127) << 23};
+  return overflows ? INFINITY : p * scale.f;
+}
+
+template <typename T>
+void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden, int64_t out_stride,
+                   int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* yr = out + r * out_stride;
+      float squares = 0.0f;
+      for (int64_t i = 0; i < hidden; ++i) squares += widen(xr[i]) * widen(xr[i]);
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      for (int64_t i = 0; i < hidden; ++i) {
+        const T normed = static_cast<T>(widen(xr[i]) * inv);  // HF: .to(input_dtype), then weight * it
+        yr[i] = static_cast<T>(widen(weight[i]) * widen(normed));
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(T* out, const T* gate, const T* up, int64_t rows, int64_t inter, int64_t out_stride,
+                       int64_t gate_stride, int64_t up_stride) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate + r * gate_stride;
+      const T* u = up + r * up_stride;
+      T* y = out + r * out_stride;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gi = widen(g[i]);
+        const T silu = static_cast<T>(gi / (1.0f + exp_approx(-gi)));  // HF: act_fn(gate) in the dtype, then * up
+        y[i] = static_cast<T>(widen(silu) * widen(u[i]));
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, " must be a CPU [rows, n] tensor, n contiguous");
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out and x differ in shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "weight must be [hidden]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "x, weight and out must share one dtype");
+  const auto rows = x.size(0), hidden = x.size(1);
+  const float e = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return rms_norm_rows(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), rows, hidden,
+                           out.stride(0), x.stride(0), e);
+    case at::kBFloat16:
+      return rms_norm_rows(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                           weight.data_ptr<c10::BFloat16>(), rows, hidden, out.stride(0), x.stride(0), e);
+    case at::kHalf:
+      return rms_norm_rows(out.data_ptr<c10::Half>(), x.data_ptr<c10::Half>(), weight.data_ptr<c10::Half>(), rows,
+                           hidden, out.stride(0), x.stride(0), e);
+    default: TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16 only, got ", x.scalar_type());
+  }
+}
+
+void silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up) {
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  check_rows(out, "out");
+  TORCH_CHECK(gate.sizes() == out.sizes() && up.sizes() == out.sizes(), "gate, up and out must share one shape");
+  TORCH_CHECK(gate.scalar_type() == out.scalar_type() && up.scalar_type() == out.scalar_type(),
+              "gate, up and out must share one dtype");
+  const auto rows = out.size(0), inter = out.size(1);
+  const auto so = out.stride(0), sg = gate.stride(0), su = up.stride(0);
+  switch (out.scalar_type()) {
+    case at::kFloat:
+      return silu_and_mul_rows(out.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(), rows, inter, so,
+                               sg, su);
+    case at::kBFloat16:
+      return silu_and_mul_rows(out.data_ptr<c10::BFloat16>(), gate.data_ptr<c10::BFloat16>(),
+                               up.data_ptr<c10::BFloat16>(), rows, inter, so, sg, su);
+    case at::kHalf:
+      return silu_and_mul_rows(out.data_ptr<c10::Half>(), gate.data_ptr<c10::Half>(), up.data_ptr<c10::Half>(), rows,
+                               inter, so, sg, su);
+    default: TORCH_CHECK(false, "silu_and_mul: float32, bfloat16 or float16 only, got ", out.scalar_type());
+  }
+}
+
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,133 @@
+"""The fused CPU norms and MLPs (`pagedlab.worker.cpu_fused`, csrc/fused_cpu.cpp): the ops compute what Hugging
+Face's modules compute, only Llama-style modules take them, they are installed for the engine's calls only, a
+changed gate or up weight is packed again, and greedy tokens equal Hugging Face's with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from pagedlab.config import EngineConfig
+from pagedlab.engine import LLMEngine
+from pagedlab.worker import cpu_attention
+from pagedlab.worker.cpu_fused import FusedModules, is_llama_mlp, is_llama_norm
+from tests.helpers import hf_greedy, random_prompts, run_engine, tiny_model
+
+kernel = cpu_attention.kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ CPU kernels could not be built here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_is_hugging_faces(dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    x = (torch.randn(37, 2 * 96) * 3).to(dtype)[:, ::2].contiguous()
+    rows = torch.randn(37, 2 * 96).to(dtype)[:, :96]  # a row stride that is not the width
+    for inp in (x, rows):
+        out = torch.empty_like(inp, memory_format=torch.contiguous_format)
+        kernel.rms_norm(out, inp, norm.weight, 1e-5)
+        torch.testing.assert_close(out, norm(inp), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_is_silu_times_up_over_floats_whole_range(dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(29, 2 * 70) * 8).to(dtype)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 150.0, -150.0])
+    gate_up[1, :4] = torch.tensor([3e38, -3e38, 1e-3, -1e-3])
+    gate, up = gate_up[:, :70], gate_up[:, 70:]
+    out = torch.empty(29, 70, dtype=dtype)
+    kernel.silu_and_mul(out, gate, up)
+    expected = F.silu(gate) * up
+    assert torch.isfinite(out[2:]).all()
+    torch.testing.assert_close(out, expected, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-30)
+
+
+def test_the_ops_name_what_they_refuse():
+    with pytest.raises(RuntimeError, match="gate, up and out must share one shape"):
+        kernel.silu_and_mul(torch.empty(3, 4), torch.empty(3, 4), torch.empty(3, 5))
+    with pytest.raises(RuntimeError, match="weight must be \\[hidden\\]"):
+        kernel.rms_norm(torch.empty(3, 4), torch.empty(3, 4), torch.empty(5), 1e-6)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only"):
+        kernel.rms_norm(*(torch.empty(3, 4, dtype=torch.float64),) * 2, torch.empty(4, dtype=torch.float64), 1e-6)
+
+
+def test_only_modules_whose_forward_is_llamas_qualify():
+    class Shifted(LlamaRMSNorm):  # a forward of its own: not Llama's
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) + 1
+
+    class Documented(LlamaRMSNorm):  # the same statements under a docstring: Llama's
+        def forward(self, hidden_states):
+            """Documented."""
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            return self.weight * hidden_states.to(input_dtype)
+
+    assert is_llama_norm(LlamaRMSNorm(8)) and is_llama_norm(Documented(8))
+    assert not is_llama_norm(Shifted(8)) and not is_llama_norm(nn.LayerNorm(8)) and not is_llama_norm(GemmaRMSNorm(8))
+    config = tiny_model("llama").config
+    mlp = LlamaMLP(config)
+    assert is_llama_mlp(mlp)
+    mlp.act_fn = nn.GELU()
+    assert not is_llama_mlp(mlp)
+
+
+@pytest.mark.parametrize("pack_gate_up", [True, False])
+def test_fused_modules_compute_the_models_logits_and_leave_it_as_it_was(pack_gate_up):
+    model = tiny_model("llama")
+    ids = torch.tensor([random_prompts([23])[0]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+        fused = FusedModules(model, kernel, pack_gate_up)
+        assert len(fused.norms) == 2 * model.config.num_hidden_layers + 1
+        assert len(fused.mlps) == model.config.num_hidden_layers
+        assert len(fused.gate_up_layers) == (2 * len(fused.mlps) if pack_gate_up else 0)
+        with fused.installed():
+            assert all("forward" in m.__dict__ for m in fused.norms + fused.mlps)
+            got = model(ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        assert not any("forward" in m.__dict__ for m in model.modules()), "a module kept the fused forward"
+        assert torch.equal(model(ids).logits, expected)
+
+
+def test_a_gate_or_up_weight_changed_in_place_or_replaced_is_packed_again():
+    torch.manual_seed(0)
+    mlp = LlamaMLP(tiny_model("llama").config)
+    fused, x = FusedModules(mlp, kernel, pack_gate_up=True), torch.randn(5, mlp.hidden_size)
+    with torch.inference_mode(), fused.installed():
+        mlp(x)
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)  # a training step between two engine calls
+    with torch.inference_mode(), fused.installed():
+        torch.testing.assert_close(mlp(x), LlamaMLP.forward(mlp, x), rtol=1e-4, atol=1e-6)
+    mlp.gate_proj.weight = nn.Parameter(torch.randn_like(mlp.gate_proj.weight))  # a tensor-parallel shard
+    with torch.inference_mode(), fused.installed():
+        torch.testing.assert_close(mlp(x), LlamaMLP.forward(mlp, x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,linear_backend", [("llama", "onednn"), ("qwen3", "torch"), ("qwen2", "onednn")])
+def test_greedy_tokens_with_fused_modules_equal_hugging_face(family, linear_backend):
+    model = tiny_model(family)
+    prompts = random_prompts([5, 17, 9, 30])
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=64, linear_backend=linear_backend,
+                                                 enable_chunked_prefill=True, max_num_batched_tokens=16))
+    fused = engine.worker.model_runner.fused
+    assert fused is not None and fused.mlps
+    if linear_backend == "onednn":  # the gate and up weights packed once, as one
+        assert not fused.gate_up_layers & set(engine.worker.model_runner.linears.modules)
+    assert run_engine(engine, prompts, 12) == hf_greedy(model, prompts, 12)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_cpu_fused_ops_false_runs_the_modules_own_forward():
+    engine = LLMEngine(tiny_model("llama"), None, EngineConfig(block_size=4, num_kv_blocks=16, cpu_fused_ops=False))
+    assert engine.worker.model_runner.fused is None
