@@ -112,6 +112,8 @@ def test_a_gate_or_up_weight_changed_in_place_or_replaced_is_packed_again():
     mlp.gate_proj.weight = nn.Parameter(torch.randn_like(mlp.gate_proj.weight))  # a tensor-parallel shard
     with torch.inference_mode(), fused.installed():
         torch.testing.assert_close(mlp(x), LlamaMLP.forward(mlp, x), rtol=1e-4, atol=1e-5)
+        side_by_side = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        torch.testing.assert_close(fused.gate_up(mlp, x), side_by_side, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("family,linear_backend", [("llama", "onednn"), ("qwen3", "torch"), ("qwen2", "onednn")])
