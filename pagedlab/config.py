@@ -118,7 +118,7 @@ class EngineConfig:
         self._check_number("force_preemption_rate", "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
         self._check_number("distributed_timeout", "> 0 seconds", lambda x: x > 0)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_partial_preemption",
-                     "calculate_kv_scales", "record_trace"):
+                     "calculate_kv_scales", "record_trace", "cpu_fused_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not is_seed(self.seed):
