@@ -144,8 +144,8 @@ def test_cpu_fused_ops_false_runs_the_modules_own_forward():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
                     reason="gcc's vectorisation report, on x86")
-def test_the_float_loops_compile_to_vector_code():
-    """The fused ops are only worth having as vector loops: a scalar SiLU loop (a union in its exp kept gcc from
+def test_the_silu_loop_compiles_to_vector_code():
+    """The fused SiLU is only worth having as a vector loop: the scalar one (a union in its exp kept gcc from
     vectorising it) ran 10x slower than torch's own SiLU and multiply. gcc reports each loop it vectorised."""
     from torch.utils import cpp_extension
 
