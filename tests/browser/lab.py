@@ -43,6 +43,13 @@ LAB_SETTINGS = {
 }
 
 
+START_ATTEMPTS = 3  # each with a port of its own
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
 def find_chromium() -> str | None:
     """The Chromium executable to drive, or None where there is none (the browser test then skips)."""
     path = os.environ.get(CHROMIUM_ENV) or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -65,9 +72,8 @@ class JupyterLab:
     def __init__(self, root_dir: Path, startup_timeout: float = 90.0):
         self.root_dir = Path(root_dir)
         self.startup_timeout = startup_timeout
-        self.port = free_port()
+        self.port = 0  # picked on start
         self.token = secrets.token_hex(16)
-        self.url = f"http://127.0.0.1:{self.port}"
         self._tmp = Path(tempfile.mkdtemp(prefix="pagedlab-lab-"))
         self._proc: subprocess.Popen | None = None
 
@@ -85,6 +91,27 @@ class JupyterLab:
             "JUPYTERLAB_SETTINGS_DIR": str(settings_dir),
             "JUPYTERLAB_WORKSPACES_DIR": str(self._tmp / "workspaces"),
         }
+        self.log_path = self._tmp / "server.log"
+        try:
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    self._start(env)
+                    return self
+                except _PortTaken:
+                    if attempt == START_ATTEMPTS:
+                        raise
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _start(self, env: dict[str, str]) -> None:
+        # A port free when picked may be bound by someone else (a kernel, a test's server) before the server
+        # binds it; the server then exits, and __enter__ tries again with another.
+        self.port = free_port()
         command = [
             sys.executable, "-m", "jupyterlab", "--no-browser",
             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
@@ -94,18 +121,12 @@ class JupyterLab:
         ]
         if os.geteuid() == 0:  # CI containers run as root; the server refuses that unless told
             command.append("--allow-root")
-        self.log_path = self._tmp / "server.log"
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, so that stopping it cannot miss a child
             )
-        try:
-            self._wait_until_up()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        self._wait_until_up()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
@@ -122,6 +143,8 @@ class JupyterLab:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                if f"port {self.port} is not available" in self.server_log():
+                    raise _PortTaken(f"port {self.port} was taken before JupyterLab could bind it")
                 raise RuntimeError(f"JupyterLab exited with {self._proc.returncode}:\n{self.server_log()}")
             try:
                 self.api("GET", "/api/status")
