@@ -17,8 +17,9 @@ that follows); only the order of the sum of squares, the exponential's last bit 
 between any two libraries: greedy tokens stay Hugging Face's (the equivalence tests run with it).
 
 With the oneDNN linear backend the gate and up weights are packed as one [2 x intermediate, hidden] weight (and not
-also one by one); a weight changed in place or replaced since is packed again at the next call, as for
-`PackedLinears`.
+also one by one), for the products where the packed path wins (`cpu_linear.unpacked_wins`: a decode step of up
+to 3 sequences computes the two with MKL on their own weights); a weight changed in place or replaced since is
+packed again at the next call, as for `PackedLinears`.
 
 # Explained in README.md (Benchmarks: the levers)
 """
@@ -130,7 +131,7 @@ class FusedModules:
     def gate_up(self, mlp: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """An MLP's gate and up projections of rows [n, hidden], side by side: [n, 2 x intermediate]; one GEMM on
         their packed weights with `pack_gate_up`, else the model's two layers."""
-        if not self.pack_gate_up:
+        if not self.pack_gate_up or cpu_linear.unpacked_wins(rows.shape[0], mlp.gate_proj.weight):
             return torch.cat([mlp.gate_proj(rows), mlp.up_proj(rows)], dim=-1)
         entry = self._packed_gate_up(mlp)
         return cpu_linear.packed_linear(rows, entry.packed, entry.bias)
@@ -184,7 +185,7 @@ def _rms_norm(kernel, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp(kernel, module: nn.Module, packed: _GateUp | None, x: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
-    if packed is not None:
+    if packed is not None and not cpu_linear.unpacked_wins(rows.shape[0], module.gate_proj.weight):
         gate_up = cpu_linear.packed_linear(rows, packed.packed, packed.bias)
         inter = gate_up.shape[-1] // 2
         gate, up = gate_up[:, :inter], gate_up[:, inter:]

@@ -6,6 +6,15 @@ engine's shapes once the weight is reordered into its own tiles: measured on a 2
 SmolLM2-135M's shapes, the packed path is 1.2-1.5x faster for 32 to 2,048 rows, and the 49,152-row LM head,
 which MKL does not spread over a second thread, 2.8x faster at 32 rows on two threads (`scripts/bench_cpu_linear.py`).
 
+Not for the fewest rows: up to 3, MKL has a kernel of its own that streams the weight faster than oneDNN's, whose
+call also costs some 20-30 us more before it multiplies anything. Measured on a 2-core Intel Xeon (AVX-512),
+float32, 1 thread, MKL against packed: one row of k_proj (192 x 576) 11 against 30 us, of q_proj (576 x 576) 42
+against 69, of down_proj (576 x 1,536) 202 against 272, of the LM head 9.5 against 9.1 ms, three rows of it 10.9
+against 11.4; at 4 rows MKL changes kernels and the packed path wins from the MLP up; at 2 threads the same
+order. So a float32 product of at most `UNPACKED_ROWS` rows (a decode step of up to 3 sequences) goes to
+`nn.Linear`'s MKL on the module's own weight (`unpacked_wins`), larger ones to the packed copy. The decode step
+of one or two sequences: 72 -> 66 ms at 1 thread, 54-57 -> 46 ms at 2 (`scripts/bench_unpacked_rows.py`).
+
 The model object stays the user's: `PackedLinears(model)` keeps the packed copies beside it (a second copy of
 each weight, the price of the layout), and `installed()` routes each plain `nn.Linear` through its copy for the
 duration of one engine call only, restoring the module's own forward afterwards. A weight changed in place
@@ -27,8 +36,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 ROW_HINT = 32  # oneDNN picks its weight tiles for a typical row count; any row count computes correctly
+UNPACKED_ROWS = 3  # up to this many rows, MKL on the weight as it lies is faster (float32; measured above)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -108,8 +119,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def unpacked_wins(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows times this weight are faster through MKL on the weight itself than through its packed
+    copy: up to `UNPACKED_ROWS` rows, in float32 (measured; bfloat16 was not)."""
+    return rows <= UNPACKED_ROWS and weight.dtype == torch.float32
+
+
 def _forward(packed: torch.Tensor, module: nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if unpacked_wins(x.numel() // x.shape[-1], module.weight):
+            return F.linear(x, module.weight, module.bias)
         return packed_linear(x, packed, module.bias)
 
     return forward

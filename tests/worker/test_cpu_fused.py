@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from pagedlab.config import EngineConfig
 from pagedlab.engine import LLMEngine
-from pagedlab.worker import cpu_attention
+from pagedlab.worker import cpu_attention, cpu_linear
 from pagedlab.worker.cpu_fused import FusedModules, is_llama_mlp, is_llama_norm
 from tests.helpers import hf_greedy, random_prompts, run_engine, tiny_model
 
@@ -89,7 +89,7 @@ def test_only_modules_whose_forward_is_llamas_qualify():
 
 
 @pytest.mark.parametrize("pack_gate_up", [True, False])
-def test_fused_modules_compute_the_models_logits_and_leave_it_as_it_was(pack_gate_up):
+def test_fused_modules_compute_the_models_logits_and_leave_it_as_it_was(pack_gate_up, linear_path):
     model = tiny_model("llama")
     ids = torch.tensor([random_prompts([23])[0]])
     with torch.inference_mode():
@@ -106,7 +106,8 @@ def test_fused_modules_compute_the_models_logits_and_leave_it_as_it_was(pack_gat
         assert torch.equal(model(ids).logits, expected)
 
 
-def test_a_gate_or_up_weight_changed_in_place_or_replaced_is_packed_again():
+def test_a_gate_or_up_weight_changed_in_place_or_replaced_is_packed_again(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "UNPACKED_ROWS", -1)  # every product on the packed copy
     torch.manual_seed(0)
     mlp = LlamaMLP(tiny_model("llama").config)
     fused, x = FusedModules(mlp, kernel, pack_gate_up=True), torch.randn(5, mlp.hidden_size)
@@ -123,8 +124,27 @@ def test_a_gate_or_up_weight_changed_in_place_or_replaced_is_packed_again():
         torch.testing.assert_close(fused.gate_up(mlp, x), side_by_side, rtol=1e-4, atol=1e-5)
 
 
+def test_a_few_rows_take_the_gate_and_up_layers_through_mkl_and_more_take_the_packed_pair():
+    torch.manual_seed(0)
+    config = tiny_model("llama").config
+    config.hidden_size, config.intermediate_size = 576, 1536  # SmolLM2's
+    mlp = LlamaMLP(config)
+    fused = FusedModules(mlp, kernel, pack_gate_up=True)
+    packed = cpu_linear.pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 32):
+            x = torch.randn(rows, 576)
+            unpacked = cpu_linear.unpacked_wins(rows, mlp.gate_proj.weight)
+            expected = (torch.cat([F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)], dim=-1)
+                        if unpacked else cpu_linear.packed_linear(x, packed, None))
+            assert unpacked == (rows <= 3)
+            assert torch.equal(fused.gate_up(mlp, x), expected), f"{rows} rows took the other path"
+            with fused.installed():
+                torch.testing.assert_close(mlp(x), LlamaMLP.forward(mlp, x), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("family,linear_backend", [("llama", "onednn"), ("qwen3", "torch"), ("qwen2", "onednn")])
-def test_greedy_tokens_with_fused_modules_equal_hugging_face(family, linear_backend):
+def test_greedy_tokens_with_fused_modules_equal_hugging_face(family, linear_backend, linear_path):
     model = tiny_model(family)
     prompts = random_prompts([5, 17, 9, 30])
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=64, linear_backend=linear_backend,

@@ -1,11 +1,13 @@
 """oneDNN's packed linear layers (`pagedlab.worker.cpu_linear`): close to `nn.Linear`, installed for the engine's
-calls only, repacked when a weight changes, hooks kept; greedy tokens equal Hugging Face's with them."""
+calls only, repacked when a weight changes, hooks kept, the smallest products left to MKL; greedy tokens equal
+Hugging Face's with them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pagedlab.config import EngineConfig
 from pagedlab.engine import LLMEngine
@@ -16,7 +18,7 @@ from tests.helpers import hf_greedy, random_prompts, run_engine, tiny_model
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 
-def test_packed_linears_compute_what_the_modules_compute_and_leave_them_as_they_were():
+def test_packed_linears_compute_what_the_modules_compute_and_leave_them_as_they_were(linear_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8, bias=False))
     x = torch.randn(7, 24)
@@ -33,7 +35,8 @@ def test_packed_linears_compute_what_the_modules_compute_and_leave_them_as_they_
     assert torch.equal(model(x), expected)
 
 
-def test_a_weight_changed_in_place_or_replaced_is_packed_again():
+def test_a_weight_changed_in_place_or_replaced_is_packed_again(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "UNPACKED_ROWS", -1)  # every product on the packed copy
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16))
     packed, x = PackedLinears(model), torch.randn(3, 16)
@@ -58,7 +61,7 @@ def test_hooks_still_run_and_other_dtypes_keep_their_own_forward():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_tokens_with_packed_linears_equal_hugging_face(family):
+def test_greedy_tokens_with_packed_linears_equal_hugging_face(family, linear_path):
     model = tiny_model(family)
     prompts = random_prompts([5, 17, 9, 30])
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=64, linear_backend="onednn",
@@ -66,6 +69,22 @@ def test_greedy_tokens_with_packed_linears_equal_hugging_face(family):
     assert engine.worker.linear_backend == "onednn"
     assert run_engine(engine, prompts, 12) == hf_greedy(model, prompts, 12)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_few_float32_rows_go_to_mkl_on_the_modules_own_weight_and_more_to_the_packed_copy():
+    """Up to 3 rows MKL's own kernel is faster than oneDNN's packed one: a decode step of a few sequences goes
+    through `nn.Linear` (SmolLM2's shapes on a 2-core Xeon, `scripts/bench_cpu_linear.py`)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(576, 576)  # SmolLM2's q_proj
+    packed = PackedLinears(layer)
+    with torch.inference_mode(), packed.installed():
+        for rows in (1, 3, 4, 32):
+            x = torch.randn(1, rows, 576)  # the engine's flat batch
+            expected = (F.linear(x, layer.weight, layer.bias) if rows <= 3
+                        else cpu_linear.packed_linear(x, cpu_linear.pack(layer.weight), layer.bias))
+            assert torch.equal(layer(x), expected), f"{rows} rows took the other path"
+    assert cpu_linear.unpacked_wins(3, layer.weight) and not cpu_linear.unpacked_wins(4, layer.weight)
+    assert not cpu_linear.unpacked_wins(1, layer.weight.bfloat16()), "bfloat16 was not measured: it stays packed"
 
 
 def test_auto_packs_float32_and_native_bfloat16_on_cpu_and_onednn_refuses_what_it_cannot_run():

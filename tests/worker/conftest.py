@@ -1,0 +1,16 @@
+"""Fixtures of the worker's tests: the two paths of the oneDNN linear backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlab.worker import cpu_linear
+
+
+@pytest.fixture(params=["every product packed", "a few rows to MKL"])
+def linear_path(request, monkeypatch):
+    """Run a test once with every product on the packed weights and once with the rule as it ships (up to 3 rows
+    through MKL: `cpu_linear.unpacked_wins`)."""
+    if request.param == "every product packed":
+        monkeypatch.setattr(cpu_linear, "UNPACKED_ROWS", -1)
+    return request.param
