@@ -17,8 +17,8 @@
 // Speed (head_dim 64, 80 or 128): 16-lane float vectors (GCC/clang vector extensions: one AVX-512 register,
 // two AVX2 ones, four NEON ones); head_dim fixed at compile time, so a tile of up to 4 query heads and their
 // accumulators stay in registers while each row is loaded (and widened) once per tile; the dot products of 16
-// consecutive keys reduced together (`sum16`) rather than one horizontal sum each; and the next block's rows
-// prefetched while this one is computed. Other head_dims take plain loops (`kChunks = 0`).
+// consecutive keys reduced together (`sum16`) rather than one horizontal sum each; and the next block's rows,
+// and while scoring the block's value rows, prefetched into L2 while this one is computed. Other head_dims take plain loops (`kChunks = 0`).
 // Measured (batch 64, context 512, one thread): README, "Decode attention against the memory".
 // Explained in chapters/03_paged_attention.ipynb
 
@@ -141,13 +141,24 @@ inline vfloat load16(const c10::Half* p) {
   return load(f);
 }
 
-// Ask for one row of the next block while this block is computed: blocks lie anywhere in the cache, so the
-// hardware's stream prefetcher cannot know where the next one starts.
+// Ask for a row that a later part of the walk reads: blocks lie anywhere in the cache, so the hardware's stream
+// prefetcher cannot know where the next one starts. Into L2, not L1 (locality 2: prefetcht1 on x86): a pass
+// keeps a whole block's rows in flight, and L2 tracks more outstanding misses than L1. Measured with SmolLM2's
+// 3 KV heads of 64, 32 sequences of 210-240 keys, 30 layers' caches so that every read comes from memory,
+// float32, on a 2-core AMD EPYC with AVX-512 (`scripts/bench_decode_prefetch.py`, which builds the variants
+// from these two macros): into L1, the next block only, 1.70 ms a layer at 1 thread and 0.86 at 2; into L2,
+// 1.15 and 0.74; into L2 with the value rows asked for while scoring, 1.06 and 0.57.
+#ifndef PAGEDLAB_PREFETCH_LOCALITY
+#define PAGEDLAB_PREFETCH_LOCALITY 2
+#endif
+#ifndef PAGEDLAB_PREFETCH_VALUES
+#define PAGEDLAB_PREFETCH_VALUES 1
+#endif
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
   const auto* bytes = reinterpret_cast<const char*>(row);
   for (int64_t i = 0; i < head_dim * static_cast<int64_t>(sizeof(scalar_t)); i += 64) {
-    __builtin_prefetch(bytes + i);
+    __builtin_prefetch(bytes + i, 0, PAGEDLAB_PREFETCH_LOCALITY);
     asm volatile("" : : "r"(bytes + i));  // else GCC deletes a loop that only prefetches, as if it did nothing
   }
 }
@@ -155,6 +166,7 @@ inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
 // The rows of one KV head in one block: `n` rows from `rows`, `token_stride` apart; `next` is the same head's
 // first row in the next block (nullptr for the last block). A query-head tile of kTile heads (of the
 // group's `group`) is computed per pass over the rows, so each row is loaded and widened once per tile.
+// The scoring pass also asks for the block's value rows (`values`), so that pass 3 finds them in L2.
 struct Rows {
   int64_t n, token_stride;
 };
@@ -162,8 +174,8 @@ struct Rows {
 // 1. scores[g * num_keys + t] = q_g . row_t. kChunks = head_dim / 16; the dot products of 16 consecutive
 // rows are summed together by sum16.
 template <int64_t kChunks, int64_t kTile, typename scalar_t>
-void score_rows(const scalar_t* rows, const scalar_t* next, Rows r, const float* q, int64_t group, float* scores,
-                int64_t num_keys) {
+void score_rows(const scalar_t* rows, const scalar_t* next, const scalar_t* values, Rows r, const float* q,
+                int64_t group, float* scores, int64_t num_keys) {
   constexpr int64_t kHeadDim = kChunks * kLanes;
   for (int64_t g0 = 0; g0 < group; g0 += kTile) {
     const int64_t gn = std::min(kTile, group - g0);
@@ -172,7 +184,10 @@ void score_rows(const scalar_t* rows, const scalar_t* next, Rows r, const float*
       for (int64_t c = 0; c < kChunks; ++c) qv[g][c] = g < gn ? load(q + (g0 + g) * kHeadDim + c * kLanes) : vfloat{};
     auto dots = [&](int64_t t, vfloat* acc) {
       const scalar_t* row = rows + t * r.token_stride;
-      if (next != nullptr && g0 == 0) prefetch_row(next + t * r.token_stride, kHeadDim);
+      if (g0 == 0) {
+        if (next != nullptr) prefetch_row(next + t * r.token_stride, kHeadDim);
+        if (PAGEDLAB_PREFETCH_VALUES) prefetch_row(values + t * r.token_stride, kHeadDim);
+      }
       for (int64_t g = 0; g < kTile; ++g) acc[g] = vfloat{};
       for (int64_t c = 0; c < kChunks; ++c) {
         const vfloat k = load16(row + c * kLanes);
@@ -264,6 +279,7 @@ void attend_one(scalar_t* out, const scalar_t* query, int64_t q_head_stride, int
   const int64_t first_block = first_key / block_size, last_block = (context_len - 1) / block_size;
 
   // Calls body(rows, next, Rows, first key index, local KV head) for each block's visible rows of each head.
+  // `rows - cache` is where they lie in either cache: the scoring pass reads the values' position from it.
   auto for_each_rows = [&](const scalar_t* cache, auto&& body) {
     for (int64_t b = first_block; b <= last_block; ++b) {
       const int64_t t0 = std::max(first_key, b * block_size), t1 = std::min(context_len, (b + 1) * block_size);
@@ -279,7 +295,7 @@ void attend_one(scalar_t* out, const scalar_t* query, int64_t q_head_stride, int
     const float* qh = q.data() + kv * group * head_dim;
     float* s = scores.data() + kv * group * num_keys + t;
     if constexpr (kChunks > 0)
-      score_rows<kChunks, kTile>(rows, next, r, qh, group, s, num_keys);
+      score_rows<kChunks, kTile>(rows, next, value_cache + (rows - key_cache), r, qh, group, s, num_keys);
     else
       score_rows_any(rows, r, qh, group, head_dim, s, num_keys, row.data());
   });
