@@ -18,7 +18,8 @@
 // two AVX2 ones, four NEON ones); head_dim fixed at compile time, so a tile of up to 4 query heads and their
 // accumulators stay in registers while each row is loaded (and widened) once per tile; the dot products of 16
 // consecutive keys reduced together (`sum16`) rather than one horizontal sum each; and the next block's rows,
-// and while scoring the block's value rows, prefetched into L2 while this one is computed. Other head_dims take plain loops (`kChunks = 0`).
+// and while scoring the block's value rows, prefetched into L2 while this one is computed. Other head_dims take
+// plain loops (`kChunks = 0`).
 // Measured (batch 64, context 512, one thread): README, "Decode attention against the memory".
 // Explained in chapters/03_paged_attention.ipynb
 
@@ -146,8 +147,8 @@ inline vfloat load16(const c10::Half* p) {
 // keeps a whole block's rows in flight, and L2 tracks more outstanding misses than L1. Measured with SmolLM2's
 // 3 KV heads of 64, 32 sequences of 210-240 keys, 30 layers' caches so that every read comes from memory,
 // float32, on a 2-core AMD EPYC with AVX-512 (`scripts/bench_decode_prefetch.py`, which builds the variants
-// from these two macros): into L1, the next block only, 1.70 ms a layer at 1 thread and 0.86 at 2; into L2,
-// 1.15 and 0.74; into L2 with the value rows asked for while scoring, 1.06 and 0.57.
+// from these two macros; medians of 8 rounds): into L1, the next block only, 1.67 ms a layer at 1 thread and
+// 0.96 at 2; into L2, 1.10 and 0.65; into L2 with the value rows asked for while scoring, 1.06 and 0.61.
 #ifndef PAGEDLAB_PREFETCH_LOCALITY
 #define PAGEDLAB_PREFETCH_LOCALITY 2
 #endif
@@ -166,13 +167,13 @@ inline void prefetch_row(const scalar_t* row, int64_t head_dim) {
 // The rows of one KV head in one block: `n` rows from `rows`, `token_stride` apart; `next` is the same head's
 // first row in the next block (nullptr for the last block). A query-head tile of kTile heads (of the
 // group's `group`) is computed per pass over the rows, so each row is loaded and widened once per tile.
-// The scoring pass also asks for the block's value rows (`values`), so that pass 3 finds them in L2.
 struct Rows {
   int64_t n, token_stride;
 };
 
 // 1. scores[g * num_keys + t] = q_g . row_t. kChunks = head_dim / 16; the dot products of 16 consecutive
-// rows are summed together by sum16.
+// rows are summed together by sum16. `values` are the same rows in the value cache, asked for here so that
+// pass 3 finds them in L2.
 template <int64_t kChunks, int64_t kTile, typename scalar_t>
 void score_rows(const scalar_t* rows, const scalar_t* next, const scalar_t* values, Rows r, const float* q,
                 int64_t group, float* scores, int64_t num_keys) {
