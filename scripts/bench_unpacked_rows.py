@@ -1,5 +1,6 @@
 """The engine's decode step with a few sequences: every linear product on oneDNN's packed weights against up to
-`cpu_linear.UNPACKED_ROWS` rows through MKL on the module's own weight (the engine's default), SmolLM2 float32.
+`cpu_linear.MKL_ROWS` rows through MKL on the module's own weight (the engine's default on an Intel CPU; elsewhere
+it packs every product: MKL's generic kernels lose there), SmolLM2 float32.
 
     .venv/bin/python scripts/bench_unpacked_rows.py --threads 1
     .venv/bin/python scripts/bench_unpacked_rows.py --threads 2 --seqs 1 4 8
@@ -24,7 +25,7 @@ from pagedlab.models import load_model
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.worker import cpu_linear
 
-PATHS = {"packed": -1, "MKL up to 3 rows": cpu_linear.UNPACKED_ROWS}
+PATHS = {"packed": -1, "MKL up to 3 rows": cpu_linear.MKL_ROWS}
 
 
 def median_step_ms(engine: LLMEngine, tag: str, seqs: int, max_tokens: int) -> float:
@@ -53,6 +54,7 @@ def main() -> None:
     print(f"# {cpu_model()}, {args.threads} thread(s), torch {torch.__version__}, SmolLM2 float32; decode step ms, "
           f"median (min-max) of {args.rounds} rounds")
     print(f"{'seqs':>4}  " + "  ".join(f"{name:>22}" for name in PATHS) + "  saved ms")
+    this_cpu = cpu_linear.UNPACKED_ROWS
     try:
         for seqs in args.seqs:
             times = {name: [] for name in PATHS}
@@ -65,7 +67,7 @@ def main() -> None:
             print(f"{seqs:>4}  " + "  ".join(f"{c:>22}" for c in cells) + f"  {medians[0] - medians[1]:+8.1f}",
                   flush=True)
     finally:
-        cpu_linear.UNPACKED_ROWS = PATHS["MKL up to 3 rows"]
+        cpu_linear.UNPACKED_ROWS = this_cpu
 
 
 if __name__ == "__main__":

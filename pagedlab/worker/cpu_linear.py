@@ -11,9 +11,12 @@ call also costs some 20-30 us more before it multiplies anything. Measured on a 
 float32, 1 thread, MKL against packed: one row of k_proj (192 x 576) 11 against 30 us, of q_proj (576 x 576) 42
 against 69, of down_proj (576 x 1,536) 202 against 272, of the LM head 9.5 against 9.1 ms, three rows of it 10.9
 against 11.4; at 4 rows MKL changes kernels and the packed path wins from the MLP up; at 2 threads the same
-order. So a float32 product of at most `UNPACKED_ROWS` rows (a decode step of up to 3 sequences) goes to
-`nn.Linear`'s MKL on the module's own weight (`unpacked_wins`), larger ones to the packed copy. The decode step
-of one or two sequences: 72 -> 66 ms at 1 thread, 54-57 -> 46 ms at 2 (`scripts/bench_unpacked_rows.py`).
+order. So on an Intel CPU a float32 product of at most `UNPACKED_ROWS` rows (a decode step of up to 3
+sequences) goes to `nn.Linear`'s MKL on the module's own weight (`unpacked_wins`), larger ones to the packed copy.
+The decode step of one or two sequences: 72 -> 66 ms at 1 thread, 54-57 -> 46 ms at 2
+(`scripts/bench_unpacked_rows.py`). Only there: MKL chooses its fast kernels by the CPU's vendor, and on an AMD
+EPYC (with AVX-512 too) it runs its generic code (`mkl_blas_def_xsgemv`), so the same rule made those steps
+1.1-3.2x longer (2 threads: 1 sequence 38.0 -> 56.6 ms, 3 sequences 35.6 -> 114). Every other CPU packs every product.
 
 The model object stays the user's: `PackedLinears(model)` keeps the packed copies beside it (a second copy of
 each weight, the price of the layout), and `installed()` routes each plain `nn.Linear` through its copy for the
@@ -33,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 ROW_HINT = 32  # oneDNN picks its weight tiles for a typical row count; any row count computes correctly
-UNPACKED_ROWS = 3  # up to this many rows, MKL on the weight as it lies is faster (float32; measured above)
+MKL_ROWS = 3  # up to this many rows, MKL on the weight as it lies is faster on an Intel CPU (float32; measured above)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -119,9 +123,28 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor as the kernel reports it ("GenuineIntel", "AuthenticAMD"), or None where it does not."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def unpacked_rows(vendor: str | None) -> int:
+    """How many rows at most go to MKL on a CPU of this vendor: `MKL_ROWS` on Intel's, none elsewhere."""
+    return MKL_ROWS if vendor == "GenuineIntel" else 0
+
+
+UNPACKED_ROWS = unpacked_rows(cpu_vendor())  # this machine's
+
+
 def unpacked_wins(rows: int, weight: torch.Tensor) -> bool:
     """Whether `rows` rows times this weight are faster through MKL on the weight itself than through its packed
-    copy: up to `UNPACKED_ROWS` rows, in float32 (measured; bfloat16 was not)."""
+    copy: up to `UNPACKED_ROWS` rows (3 on an Intel CPU, none elsewhere), in float32 (measured; bfloat16 was not)."""
     return rows <= UNPACKED_ROWS and weight.dtype == torch.float32
 
 
