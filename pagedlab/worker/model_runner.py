@@ -93,11 +93,12 @@ class ModelRunner:
         self.kv_cache = spec.allocate(num_blocks, block_size, self.device)
         self.kv_scales = KVScales.ones(spec.num_layers, spec.dtype, self.device) if is_quantized(spec.dtype) else None
         self.sampler = Sampler(seed, self.device)
-        # Llama-style norms and MLPs through one-pass C++ ops on CPU, in the engine's calls only (cpu_fused)
+        # Llama-style norms, MLPs and attention projections through one-pass C++ ops on CPU, in the engine's calls
+        # only (cpu_fused)
         kernel = cpu_attention.kernel() if cpu_fused_ops and self.device.type == "cpu" else None
         self.fused = FusedModules(model, kernel, linear_backend == "onednn") if kernel is not None else None
         # "onednn": the linear layers' weights packed once for oneDNN, used in the engine's calls only
-        skip = self.fused.gate_up_layers if self.fused is not None else frozenset()
+        skip = self.fused.stacked_layers if self.fused is not None else frozenset()
         self.linears = PackedLinears(model, skip) if linear_backend == "onednn" else None
         self.decode_graphs: DecodeGraphs | None = None
         # False on a pipeline stage before the last (`pagedlab.worker.pipeline_parallel`): its forward pass sends
