@@ -227,7 +227,8 @@ def _attention(fused: FusedModules, module: nn.Module, hidden_states: torch.Tens
                attention_mask=None, **kwargs):
     """Llama's attention forward, its q, k and v from one GEMM and their rotary embedding from one C++ pass."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if position_embeddings is None or cache is not None or module.training:  # what it does not fuse: its own
+    mixed = position_embeddings is not None and position_embeddings[0].dtype != hidden_states.dtype
+    if position_embeddings is None or mixed or cache is not None or module.training:  # not fused: its own forward
         return type(module).forward(module, hidden_states, position_embeddings, attention_mask, **kwargs)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -238,9 +239,8 @@ def _attention(fused: FusedModules, module: nn.Module, hidden_states: torch.Tens
     rows = _rows(hidden_states)
     q, k, v = (p.view(rows.shape[0], -1, head_dim) for p in fused.projections(module, _qkv(module), rows))
     cos, sin = (_rows(t.expand(*input_shape, head_dim)) for t in position_embeddings)  # [tokens, head_dim]
-    query, key = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format)
-    fused.kernel.rotary_embedding(query, key, q, k, cos.to(q.dtype), sin.to(q.dtype))
+    query, key = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k))
+    fused.kernel.rotary_embedding(query, key, q, k, cos, sin)
     shape = (*input_shape, -1, head_dim)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
     out, weights = attention(module, query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2),
