@@ -36,17 +36,25 @@ def _linear(stack: str, leaf: str) -> bool:
         JIT.match(leaf) is not None and re.search(r"Runner\.call|linear", stack) is not None)
 
 
+# pagedlab's C++ extension: its library's name is in every frame of its code, the decode kernel's and the fused ops'
+EXTENSION = r"pagedlab_paged_decode_cpu\w*\.so"
+
+
+def _fused_op(stack: str) -> bool:
+    """A sample in pagedlab's fused norm, SiLU or rotary op (`cpu_fused`), or in vLLM's compiled loops."""
+    return re.search(rf"kernel\._omp_fn|cpp_fused|Vectorized<|_mm512|_mm256|{EXTENSION}", stack) is not None
+
+
 PARTS = [  # (part, test on (whole stack, its innermost frame)); the first that matches takes the sample
     ("waiting (queues, locks)", lambda s, leaf: re.search(r"sched_yield|SpinCondition|MessageQueue|Condition\.wait|"
                                                             r"Connection\._recv|acquire_read", s) is not None),
-    ("attention (cache writes, decode, prefill)",
-     lambda s, leaf: re.search(r"cpu_attn|cpu_attention|CPUAttention|kv_cache_update|paged_decode|write_to_cache|"
-                               r"scaled_dot_product|prefill_attention|index_copy", s) is not None),
+    ("attention (cache writes, decode, prefill)",  # the decode kernel by its functions, not by its library's name
+     lambda s, leaf: re.search(r"cpu_attn|cpu_attention(\.py|::)|CPUAttention|kv_cache_update|paged_decode \(|"
+                               r"write_to_cache|scaled_dot_product|prefill_attention|index_copy", s) is not None),
     ("linear layers", _linear),
-    ("norms, RoPE, activations (eager)", lambda s, leaf: re.search(
+    ("norms, RoPE, activations (eager)", lambda s, leaf: not re.search(EXTENSION, s) and re.search(
         r"RMSNorm|rotary|rotate_half|apply_rotary|act_fn|silu|Sleef", s) is not None),
-    ("norms, RoPE, activations (compiled, fused)", lambda s, leaf: re.search(
-        r"kernel\._omp_fn|cpp_fused|Vectorized<|_mm512|_mm256", s) is not None),
+    ("norms, RoPE, activations (fused: C++ or compiled)", lambda s, leaf: _fused_op(s)),
     ("rest of the forward (Python, adds, views)", lambda s, leaf: re.search(
         r"modeling_llama|Runner\.call|CompiledFxGraph|compiled_function|_call_impl|model_executor", s) is not None),
     ("sampling", lambda s, leaf: re.search(r"[Ss]ampler|argmax|sample", s) is not None),
