@@ -13,13 +13,26 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # [out, in]
 NUM_LAYERS = 30
+
+
+def _cpu_linear():
+    """pagedlab's `cpu_linear`, loaded from its file: vLLM's environment cannot import the pagedlab package (the
+    two pin different transformers), and this module needs only torch."""
+    path = Path(__file__).resolve().parents[1] / "pagedlab" / "worker" / "cpu_linear.py"
+    spec = importlib.util.spec_from_file_location("cpu_linear", path)
+    module = sys.modules["cpu_linear"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def _median_s(fn, calls: int, rounds: int = 7) -> float:
@@ -42,12 +55,13 @@ def main() -> None:
     args = parser.parse_args()
     from vllm import _custom_ops as ops  # only in vLLM's environment
 
+    cpu_linear = _cpu_linear()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
     def torch_linear(weight):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)  # cpu_linear.pack, ROW_HINT 32
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        packed = cpu_linear.pack(weight)
+        return lambda x: cpu_linear.packed_linear(x, packed, None)
 
     def vllm_linear(weight):
         handler = ops.create_onednn_mm(weight.t(), 32)  # as vLLM's dispatch_cpu_unquantized_gemm makes it
@@ -69,9 +83,7 @@ def main() -> None:
           " ratio")
     for rows in args.rows:
         xs = [torch.randn(rows, k, dtype=dtype) for _, k in SHAPES.values()]
-        got = {}
-        for name, fns in steps.items():  # the same products, whichever library
-            got[name] = [fn(x) for fn, x in zip(fns[0], xs)]
+        got = {name: [fn(x) for fn, x in zip(fns[0], xs)] for name, fns in steps.items()}  # the same products
         for a, b in zip(got["pagedlab"], got["vllm"]):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
         times = {name: [] for name in steps}
