@@ -36,6 +36,8 @@ logger = logging.getLogger("pagedlab")
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
 # built into the same extension: Llama's RMSNorm and SiLU-and-multiply in one pass (`pagedlab.worker.cpu_fused`)
 FUSED_SOURCE = SOURCE.with_name("fused_cpu.cpp")
+# and a Llama decoder layer's decode step in one call, on those kernels (`cpu_fused.decode_layer_inputs`)
+LAYER_SOURCE = SOURCE.with_name("llama_layer_cpu.cpp")
 CACHE_DIR = Path(os.environ.get("PAGEDLAB_CACHE", Path.home() / ".cache" / "pagedlab")) / "torch_extensions"
 
 
@@ -69,12 +71,16 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
+def _sources() -> tuple[Path, ...]:
+    return SOURCE, FUSED_SOURCE, LAYER_SOURCE
+
+
 def build_name() -> str:
     """The extension's name: one per source text, flags, torch build and CPU, so a cache never goes stale. Where
     the source lies is left out (the build compiles a copy kept beside it), and torch's folder is in: torch's build
     file names its headers by that path, so two torch installs sharing one name would rebuild on every load."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_text(), FUSED_SOURCE.read_text(), " ".join(compiler_flags()), torch.__version__,
+    for part in (*(source.read_text() for source in _sources()), " ".join(compiler_flags()), torch.__version__,
                  str(Path(torch.__file__).parent), sysconfig.get_paths()["include"], _cpu_signature()):
         digest.update(part.encode())
     return f"pagedlab_paged_decode_cpu_{digest.hexdigest()[:16]}"
@@ -112,7 +118,7 @@ def load() -> KernelBuild:
         directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(directory / "lock")
         flags = compiler_flags()
-        sources = [str(_source_copy(directory, source)) for source in (SOURCE, FUSED_SOURCE)]
+        sources = [str(_source_copy(directory, source)) for source in _sources()]
         cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(directory), verbose=False, is_python_module=False)
         module = getattr(torch.ops, name)  # the operators it registered (TORCH_LIBRARY), paged_decode among them

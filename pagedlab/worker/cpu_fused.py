@@ -27,6 +27,14 @@ where the packed path wins (`cpu_linear.unpacked_wins`: on an Intel CPU a decode
 computes them with MKL on their own weights); a weight changed in place or replaced since is packed again at the
 next call, as for `PackedLinears`.
 
+On a decode step a decoder layer whose parts all qualify is one C++ call (csrc/llama_layer_cpu.cpp): the same
+kernels in the same order as the fused forwards above, so the same bits, without their fifty-odd torch calls from
+Python (6-8 ms of a 25-30 ms SmolLM2 step at 2 threads; vLLM's CPU backend compiles its graph for the same reason).
+`decode_layer_inputs` lets through only what that call computes as the Python forwards do: decodes alone through
+pagedlab's CPU attention on a full-precision cache, every product on packed weights (o_proj's and down_proj's
+from `PackedLinears`), no hook anywhere in the layer (tensor parallelism's all-reduce, transformers' output
+recording); every other call runs the layer's own forward.
+
 # Explained in README.md (Benchmarks: the levers)
 """
 
@@ -41,8 +49,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
-from pagedlab.worker import cpu_linear
+from pagedlab.worker import cpu_attention, cpu_linear
+from pagedlab.worker.attention import ATTENTION_NAME
 
 
 @functools.cache
@@ -70,6 +80,12 @@ def _llama_classes() -> tuple[type, type, type, type]:
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
     return LlamaRMSNorm, LlamaMLP, SiLUActivation, LlamaAttention
+
+
+def is_llama_decoder_layer(module: nn.Module) -> bool:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return _same_forward(type(module), LlamaDecoderLayer)
 
 
 def is_llama_norm(module: nn.Module) -> bool:
@@ -110,6 +126,19 @@ class _Stacked:
     sizes: list[int]  # each layer's output features
 
 
+@dataclass
+class _LayerPlan:
+    """A decoder layer's weights for the C++ `llama_decode_layer`, and what tells that they still hold."""
+
+    checks: tuple[tuple[nn.Module, torch.Tensor, int], ...]  # (module, its weight then, its version counter then)
+    modules: tuple[nn.Module, ...]  # the layer and everything in it (hooks on any of them keep the Python path)
+    dtype: torch.dtype
+    layer_idx: int
+    head_dim: int
+    attention: tuple  # the call's arguments before cos and sin
+    rest: tuple  # and after the cache and step tensors
+
+
 class FusedModules:
     """The fused forwards of a model's Llama-style norms, MLPs and attentions on CPU, installed for one engine call
     at a time. `kernel`: the C++ extension (`cpu_attention.kernel()`); `pack_stacked`: one oneDNN GEMM for the
@@ -125,6 +154,13 @@ class FusedModules:
             cpu_linear.supported(layer.weight.device, layer.weight.dtype)
             for layers in self._stacks() for layer in layers)
         self._stacked_cache: dict[nn.Module, _Stacked] = {}
+        self._plans: dict[nn.Module, _LayerPlan] = {}
+        # decoder layers whose norms, attention and MLP are all fused here: a decode step's layer is one C++ call
+        norms, attentions, mlps = set(self.norms), set(self.attentions), set(self.mlps)
+        self.layers = [m for m in on_cpu if is_llama_decoder_layer(m) and self.pack_stacked
+                       and getattr(m, "input_layernorm", None) in norms
+                       and getattr(m, "post_attention_layernorm", None) in norms
+                       and getattr(m, "self_attn", None) in attentions and getattr(m, "mlp", None) in mlps]
 
     def _stacks(self) -> list[tuple[nn.Linear, ...]]:
         return [_gate_up(m) for m in self.mlps] + [_qkv(m) for m in self.attentions]
@@ -158,11 +194,75 @@ class FusedModules:
         entry = self._stacked(owner, layers)
         return list(cpu_linear.packed_linear(rows, entry.packed, entry.bias).split(entry.sizes, dim=-1))
 
+    def decode_layer_inputs(self, layer: nn.Module, linears: cpu_linear.PackedLinears, hidden_states: torch.Tensor,
+                            args: tuple, kwargs: dict) -> tuple | None:
+        """The arguments of the C++ `llama_decode_layer` for this call of a decoder layer's forward, or None where
+        the call is not one it computes as the Python forwards do: anything but a step of decodes alone through
+        pagedlab's CPU attention on a full-precision cache, rows that `unpacked_wins` sends to MKL, a layer with
+        hooks (tensor parallelism's all-reduce, transformers' output recording), a weight not packed."""
+        context = kwargs.get("pagedlab_context")
+        position_embeddings = kwargs.get("position_embeddings")
+        if (args or context is None or position_embeddings is None or context.backend != "torch"
+                or context.kv_scales is not None or kwargs.get("cache", kwargs.get("past_key_values")) is not None
+                or layer.training):
+            return None
+        metadata = context.metadata
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens = rows.shape[0]
+        if (metadata.prefills or metadata.num_decodes != tokens or not rows.is_contiguous()
+                or position_embeddings[0].dtype != rows.dtype):
+            return None
+        plan = self._layer_plan(layer, linears)
+        if (plan is None or plan.dtype != rows.dtype or cpu_linear.unpacked_wins(tokens, plan.checks[0][1])
+                or _hooked(plan.modules)):
+            return None
+        key_cache, value_cache = context.kv_cache[plan.layer_idx]
+        if not cpu_attention.supports(rows, key_cache):
+            return None
+        step = metadata.kernel_inputs.get("llama_decode_layer")
+        if step is None or step[0] is not position_embeddings:  # once per step: the same for every layer
+            cos, sin = (_rows(t.expand(*hidden_states.shape[:-1], plan.head_dim)) for t in position_embeddings)
+            step = metadata.kernel_inputs["llama_decode_layer"] = (
+                position_embeddings, cos, sin, metadata.slot_mapping.to(torch.long),
+                metadata.decode_block_tables.to(torch.long).contiguous(),
+                metadata.decode_context_lens.to(torch.long).contiguous())
+        _, cos, sin, slots, tables, lens = step
+        return (rows, *plan.attention, cos, sin, key_cache, value_cache, slots, tables, lens, *plan.rest)
+
+    def _layer_plan(self, layer: nn.Module, linears: cpu_linear.PackedLinears) -> _LayerPlan | None:
+        """The layer's weights as the C++ call takes them, made again when a weight changed in place or was
+        replaced since (a few identity and version checks per call, not the packing's)."""
+        plan = self._plans.get(layer)
+        if plan is not None and all(m._parameters["weight"] is w and w._version == v for m, w, v in plan.checks):
+            return plan
+        self._plans.pop(layer, None)
+        attention, mlp = layer.self_attn, layer.mlp
+        norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        dtype = norm.weight.dtype
+        o, down = linears.packed(attention.o_proj), linears.packed(mlp.down_proj)
+        if (o is None or down is None or attention.head_dim % 2 or attention.config._attn_implementation != ATTENTION_NAME
+                or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in (norm, post_norm))):
+            return None
+        qkv, gate_up = self._stacked(attention, _qkv(attention)), self._stacked(mlp, _gate_up(mlp))
+        parts = (*_qkv(attention), attention.o_proj, *_gate_up(mlp), mlp.down_proj, norm, post_norm)
+        plan = self._plans[layer] = _LayerPlan(
+            checks=tuple((m, m.weight, m.weight._version) for m in parts), modules=tuple(layer.modules()),
+            dtype=dtype, layer_idx=attention.layer_idx, head_dim=attention.head_dim,
+            attention=(norm.weight, float(norm.variance_epsilon), qkv.packed, qkv.bias,
+                       qkv.sizes[0] // attention.head_dim, qkv.sizes[1] // attention.head_dim),
+            rest=(float(attention.scaling), o, attention.o_proj.bias, post_norm.weight,
+                  float(post_norm.variance_epsilon), gate_up.packed, gate_up.bias, down, mlp.down_proj.bias))
+        return plan
+
     @contextlib.contextmanager
-    def installed(self):
-        """Route every qualifying module's forward through the fused ops until the block ends."""
+    def installed(self, linears: cpu_linear.PackedLinears | None = None):
+        """Route every qualifying module's forward through the fused ops until the block ends; with `linears` (the
+        oneDNN backend's packed weights, o_proj's and down_proj's among them) a decoder layer's decode steps too."""
         swapped = []  # set in __dict__ directly, as PackedLinears does (nn.Module.__setattr__ costs per step)
         try:
+            for module in self.layers if linears is not None else ():
+                swapped.append((module.__dict__, module.__dict__.get("forward")))
+                module.__dict__["forward"] = functools.partial(_decoder_layer, self, linears, module)
             for module in self.norms:
                 swapped.append((module.__dict__, module.__dict__.get("forward")))
                 module.__dict__["forward"] = functools.partial(_rms_norm, self.kernel, module)
@@ -179,6 +279,23 @@ class FusedModules:
                     del attributes["forward"]
                 else:
                     attributes["forward"] = own
+
+
+def _decoder_layer(fused: FusedModules, linears: cpu_linear.PackedLinears, module: nn.Module,
+                   hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Llama's decoder layer: a decode step in one C++ call (`FusedModules.decode_layer_inputs`), else its own
+    forward (whose norms, attention and MLP run the fused forwards)."""
+    inputs = fused.decode_layer_inputs(module, linears, hidden_states, args, kwargs)
+    if inputs is None:
+        return type(module).forward(module, hidden_states, *args, **kwargs)
+    return fused.kernel.llama_decode_layer(*inputs).view(hidden_states.shape)
+
+
+def _hooked(modules: tuple[nn.Module, ...]) -> bool:
+    """Whether a forward hook (a module's own or a global one) would run on any of these modules."""
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def _on_cpu(module: nn.Module) -> bool:

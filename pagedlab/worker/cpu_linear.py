@@ -66,7 +66,8 @@ def preferred(device: torch.device, dtype: torch.dtype) -> bool:
 class _Packed:
     weight: torch.Tensor  # the module's weight when it was packed (to see a replacement)
     version: int  # its version counter then (to see an in-place change)
-    forward: object  # the module's forward through oneDNN's copy, made once per packing (not per step)
+    packed: torch.Tensor  # oneDNN's copy
+    forward: object  # the module's forward through it, made once per packing (not per step)
 
 
 class PackedLinears:
@@ -82,12 +83,19 @@ class PackedLinears:
         for module in self.modules:
             self._current(module, module.weight)
 
-    def _current(self, module: nn.Linear, weight: torch.Tensor):
+    def _current(self, module: nn.Linear, weight: torch.Tensor) -> _Packed:
         entry = self._packed.get(module)
         if entry is None or entry.weight is not weight or entry.version != weight._version:
-            entry = self._packed[module] = _Packed(weight, weight._version, _forward(pack(weight), module))
+            packed = pack(weight)
+            entry = self._packed[module] = _Packed(weight, weight._version, packed, _forward(packed, module))
             self.num_packs += 1
-        return entry.forward
+        return entry
+
+    def packed(self, module: nn.Module) -> torch.Tensor | None:
+        """The module's weight as packed now (packed again if it changed), or None where it is not packed here."""
+        if module not in self._packed or not supported(module.weight.device, module.weight.dtype):
+            return None
+        return self._current(module, module.weight).packed
 
     @contextlib.contextmanager
     def installed(self):
@@ -102,7 +110,7 @@ class PackedLinears:
                     continue
                 attributes = module.__dict__
                 swapped.append((attributes, attributes.get("forward")))
-                attributes["forward"] = self._current(module, weight)
+                attributes["forward"] = self._current(module, weight).forward
             yield
         finally:
             for attributes, own in swapped:

@@ -119,7 +119,7 @@ class ModelRunner:
     def _forward(self, input_ids, positions, context: PagedAttentionContext, logits_to_keep=0) -> torch.Tensor:
         """The unmodified model on one flat row, with pagedlab's attention: logits [rows kept, vocab]."""
         linears = self.linears.installed() if self.linears is not None else contextlib.nullcontext()
-        fused = self.fused.installed() if self.fused is not None else contextlib.nullcontext()
+        fused = self.fused.installed(self.linears) if self.fused is not None else contextlib.nullcontext()
         with engine_call(self.model, ATTENTION_NAME), linears, fused:
             return self.model(
                 input_ids=input_ids[None],
