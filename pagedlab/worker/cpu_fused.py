@@ -29,7 +29,8 @@ next call, as for `PackedLinears`.
 
 On a decode step a decoder layer whose parts all qualify is one C++ call (csrc/llama_layer_cpu.cpp): the same
 kernels in the same order as the fused forwards above, so the same bits, without their fifty-odd torch calls from
-Python (6-8 ms of a 25-30 ms SmolLM2 step at 2 threads; vLLM's CPU backend compiles its graph for the same reason).
+Python (at 2 threads 6-8 ms off a SmolLM2 decode step of 22-83 ms; vLLM's CPU backend compiles its graph for the
+same reason).
 `decode_layer_inputs` lets through only what that call computes as the Python forwards do: decodes alone through
 pagedlab's CPU attention on a full-precision cache, every product on packed weights (o_proj's and down_proj's
 from `PackedLinears`), no hook anywhere in the layer (tensor parallelism's all-reduce, transformers' output
@@ -217,7 +218,7 @@ class FusedModules:
                 or _hooked(plan.modules)):
             return None
         key_cache, value_cache = context.kv_cache[plan.layer_idx]
-        if not cpu_attention.supports(rows, key_cache):
+        if not cpu_attention.supports(rows, key_cache) or cpu_attention.kernel() is None:  # PAGEDLAB_CPU_KERNEL=0
             return None
         step = metadata.kernel_inputs.get("llama_decode_layer")
         if step is None or step[0] is not position_embeddings:  # once per step: the same for every layer
@@ -240,7 +241,8 @@ class FusedModules:
         norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
         dtype = norm.weight.dtype
         o, down = linears.packed(attention.o_proj), linears.packed(mlp.down_proj)
-        if (o is None or down is None or attention.head_dim % 2 or attention.config._attn_implementation != ATTENTION_NAME
+        if (o is None or down is None or attention.head_dim % 2
+                or attention.config._attn_implementation != ATTENTION_NAME
                 or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in (norm, post_norm))):
             return None
         qkv, gate_up = self._stacked(attention, _qkv(attention)), self._stacked(mlp, _gate_up(mlp))

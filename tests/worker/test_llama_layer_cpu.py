@@ -79,6 +79,15 @@ def test_greedy_tokens_with_the_one_call_layer_equal_hugging_face(linear_path):
     assert not any("forward" in m.__dict__ for m in model.modules()), "a layer kept the engine's forward"
 
 
+def test_the_kernel_switched_off_keeps_the_python_layer(monkeypatch):
+    model = tiny_model("llama")
+    one_call, taken = _engine(model, True)
+    python, _ = _engine(model, False)
+    monkeypatch.setenv("PAGEDLAB_CPU_KERNEL", "0")  # the attention's torch path, which the one call is not
+    assert _logprobs(one_call, PROMPTS[:2], 6) == _logprobs(python, PROMPTS[:2], 6)
+    assert taken and not any(taken)
+
+
 def test_a_hook_anywhere_in_the_layer_keeps_the_python_layer():
     """Tensor parallelism's all-reduce and transformers' output recording are forward hooks: the one C++ call
     would skip them."""
@@ -105,3 +114,18 @@ def test_packed_linears_give_a_weight_changed_in_place_packed_again():
     again = linears.packed(model[0])
     assert again is not first and linears.num_packs == 2
     assert linears.packed(torch.nn.Linear(8, 4)) is None, "a layer it does not hold"
+
+
+def test_a_weight_changed_or_replaced_between_calls_is_the_one_computed_with():
+    model = tiny_model("llama")
+    one_call, taken = _engine(model, True)
+    _logprobs(one_call, PROMPTS[:2], 4)  # the layers' weights packed for the one call
+    with torch.no_grad():  # a training step between two engine calls; a tensor-parallel shard
+        model.model.layers[1].self_attn.o_proj.weight.mul_(2)
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    q_proj = model.model.layers[1].self_attn.q_proj
+    q_proj.weight = torch.nn.Parameter(torch.randn_like(q_proj.weight) * 0.1)
+    python, _ = _engine(model, False)
+    taken.clear()
+    assert _logprobs(one_call, PROMPTS) == _logprobs(python, PROMPTS)
+    assert any(taken)
