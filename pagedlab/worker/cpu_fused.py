@@ -203,32 +203,24 @@ class FusedModules:
         hooks (tensor parallelism's all-reduce, transformers' output recording), a weight not packed."""
         context = kwargs.get("pagedlab_context")
         position_embeddings = kwargs.get("position_embeddings")
-        if (args or context is None or position_embeddings is None or context.backend != "torch"
-                or context.kv_scales is not None or kwargs.get("cache", kwargs.get("past_key_values")) is not None
-                or layer.training):
+        if (args or context is None or position_embeddings is None
+                or kwargs.get("cache", kwargs.get("past_key_values")) is not None or layer.training):
             return None
-        metadata = context.metadata
+        cached = context.metadata.kernel_inputs.get("llama_decode_layer")
+        if cached is None or cached[0] is not position_embeddings:  # once per step: the same for every layer
+            cached = context.metadata.kernel_inputs["llama_decode_layer"] = (
+                position_embeddings, _decode_step(context, hidden_states, position_embeddings))
+        step = cached[1]
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
-        tokens = rows.shape[0]
-        if (metadata.prefills or metadata.num_decodes != tokens or not rows.is_contiguous()
-                or position_embeddings[0].dtype != rows.dtype):
+        if step is None or rows.shape[0] != step.tokens or rows.dtype != step.dtype or not rows.is_contiguous():
             return None
         plan = self._layer_plan(layer, linears)
-        if (plan is None or plan.dtype != rows.dtype or cpu_linear.unpacked_wins(tokens, plan.checks[0][1])
-                or _hooked(plan.modules)):
+        if (plan is None or plan.dtype != rows.dtype or plan.head_dim != step.cos.shape[1]
+                or cpu_linear.unpacked_wins(step.tokens, plan.checks[0][1]) or _hooked(plan.modules)):
             return None
         key_cache, value_cache = context.kv_cache[plan.layer_idx]
-        if not cpu_attention.supports(rows, key_cache) or cpu_attention.kernel() is None:  # PAGEDLAB_CPU_KERNEL=0
-            return None
-        step = metadata.kernel_inputs.get("llama_decode_layer")
-        if step is None or step[0] is not position_embeddings:  # once per step: the same for every layer
-            cos, sin = (_rows(t.expand(*hidden_states.shape[:-1], plan.head_dim)) for t in position_embeddings)
-            step = metadata.kernel_inputs["llama_decode_layer"] = (
-                position_embeddings, cos, sin, metadata.slot_mapping.to(torch.long),
-                metadata.decode_block_tables.to(torch.long).contiguous(),
-                metadata.decode_context_lens.to(torch.long).contiguous())
-        _, cos, sin, slots, tables, lens = step
-        return (rows, *plan.attention, cos, sin, key_cache, value_cache, slots, tables, lens, *plan.rest)
+        return (rows, *plan.attention, step.cos, step.sin, key_cache, value_cache, step.slots, step.tables, step.lens,
+                *plan.rest)
 
     def _layer_plan(self, layer: nn.Module, linears: cpu_linear.PackedLinears) -> _LayerPlan | None:
         """The layer's weights as the C++ call takes them, made again when a weight changed in place or was
@@ -293,10 +285,38 @@ def _decoder_layer(fused: FusedModules, linears: cpu_linear.PackedLinears, modul
     return fused.kernel.llama_decode_layer(*inputs).view(hidden_states.shape)
 
 
+@dataclass
+class _DecodeStep:
+    """What every layer's C++ call of one decode step shares."""
+
+    tokens: int
+    dtype: torch.dtype
+    cos: torch.Tensor  # [tokens, head_dim]
+    sin: torch.Tensor
+    slots: torch.Tensor  # [tokens] int64
+    tables: torch.Tensor  # [tokens, max_blocks] int64, contiguous
+    lens: torch.Tensor  # [tokens] int64
+
+
+def _decode_step(context, hidden_states: torch.Tensor, position_embeddings) -> _DecodeStep | None:
+    """The step's shared inputs, or None where no layer of it can take the C++ call: prefill rows, the Triton
+    backend, a float8 cache (its scales), a cache or dtype the CPU kernel does not take, the kernel switched off
+    (PAGEDLAB_CPU_KERNEL=0), a global forward hook."""
+    metadata, (cos, sin) = context.metadata, position_embeddings
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if (context.backend != "torch" or context.kv_scales is not None or metadata.prefills
+            or metadata.num_decodes != rows.shape[0] or cos.dtype != rows.dtype
+            or not cpu_attention.supports(rows, context.kv_cache[0][0]) or cpu_attention.kernel() is None
+            or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks):
+        return None
+    cos, sin = (_rows(t.expand(*hidden_states.shape[:-1], t.shape[-1])) for t in position_embeddings)
+    return _DecodeStep(rows.shape[0], rows.dtype, cos, sin, metadata.slot_mapping.to(torch.long),
+                       metadata.decode_block_tables.to(torch.long).contiguous(),
+                       metadata.decode_context_lens.to(torch.long).contiguous())
+
+
 def _hooked(modules: tuple[nn.Module, ...]) -> bool:
-    """Whether a forward hook (a module's own or a global one) would run on any of these modules."""
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
+    """Whether a module's own forward hook would run on any of these (the global ones: `_decode_step`)."""
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
