@@ -51,6 +51,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
     group.add_argument("--linear-backend", choices=("auto", "torch", "onednn"), default=None,
                        help="the linear layers on CPU: onednn, weights packed once (default for float32); torch")
+    group.add_argument("--no-cpu-fused-ops", dest="cpu_fused_ops", action="store_false", default=None,
+                       help="on CPU, Llama's norms, MLPs, attention projections and decode-step layers as the "
+                            "model's own modules, not the C++ ops (EngineConfig.cpu_fused_ops)")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default=None,
                        help="how K and V are stored: auto (the model's dtype) or FP8 (one byte a value)")
     group.add_argument("--calculate-kv-scales", action="store_true", default=None,
@@ -74,7 +77,8 @@ _ENGINE_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_m
                   "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
                   "preemption_mode", "attention_backend", "linear_backend", "tensor_parallel_size",
                   "pipeline_parallel_size", "pipeline_layer_partition", "max_concurrent_batches",
-                  "distributed_executor_backend", "distributed_timeout", "kv_cache_dtype", "calculate_kv_scales")
+                  "distributed_executor_backend", "distributed_timeout", "kv_cache_dtype", "calculate_kv_scales",
+                  "cpu_fused_ops")
 
 
 def _engine_kwargs(args) -> dict:

@@ -136,7 +136,12 @@ def local_server(model, tokenizer, engine_options: dict, model_source: str | Non
         yield server.url
 
 
-def _child_server(model, model_source, engine_options, threads, timeout) -> Iterator[str]:
+# engine options on by default, which `pagedlab serve` turns off with a flag of their own
+_OFF_FLAGS = {"cpu_fused_ops": "--no-cpu-fused-ops"}
+
+
+def serve_command(model, model_source, engine_options: dict) -> list[str]:
+    """`pagedlab serve` on a free port with the model's dtype and device and these engine options as its flags."""
     parameter = next(model.parameters())
     command = [sys.executable, "-m", "pagedlab", "serve", *([model_source] if model_source else []), "--port", "0",
                "--dtype", str(parameter.dtype).removeprefix("torch."), "--device", parameter.device.type,
@@ -145,14 +150,26 @@ def _child_server(model, model_source, engine_options, threads, timeout) -> Iter
         if value is None or name == "record_trace":
             continue
         flag = "--engine-seed" if name == "seed" else "--" + name.replace("_", "-")
-        command += [flag] if value is True else [] if value is False else [flag, str(value)]
+        if isinstance(value, bool):
+            off = _OFF_FLAGS.get(name)
+            command += ([] if value else [off]) if off else ([flag] if value else [])
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+def _child_server(model, model_source, engine_options, threads, timeout) -> Iterator[str]:
+    command = serve_command(model, model_source, engine_options)
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = process.stderr.readline()
         match = re.search(r" on (http://[^ ]+)/v1 ", line)
-        if not match:
-            raise RuntimeError(f"pagedlab serve did not start: {line}{process.stderr.read() if process.poll() else ''}")
+        if not match:  # it is exiting (a flag it refused, a model it cannot load): its whole message
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+            rest = process.stderr.read() if process.poll() is not None else ""
+            raise RuntimeError(f"pagedlab serve did not start: {line}{rest}")
         url = match.group(1)
         tail: deque[str] = deque(maxlen=40)  # keep reading its stderr, or a full pipe would block it
         threading.Thread(target=lambda: tail.extend(process.stderr), daemon=True).start()

@@ -6,10 +6,11 @@ Nothing here is timed: the numbers are checked for shape and for the few facts t
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
-from pagedlab.bench import COMPARATORS, WORKLOADS, run_benchmark, run_metrics, suites, systems, workloads
+from pagedlab.bench import COMPARATORS, WORKLOADS, BenchOptions, run_benchmark, run_metrics, suites, systems, workloads
 from pagedlab.bench.report import Table
 from tests.helpers import tiny_model
 
@@ -229,3 +230,19 @@ def test_the_cpu_is_named_with_its_vector_instructions():
 
     name = cpu_model()
     assert name.endswith(f" with {torch.backends.cpu.get_cpu_capability()}") and len(name) > len(" with AVX2")
+
+
+@pytest.mark.parametrize("cpu_fused_ops", [True, False])
+def test_the_bench_starts_its_own_server_with_the_benchs_engine_options(cpu_fused_ops):
+    """Without --endpoint the serving bench starts `pagedlab serve` with its engine options as flags: serve must
+    take every one and mean the same by it (it refused --cpu-fused-ops, so the serving bench of a model by name
+    or the embedded one failed to start its server)."""
+    from pagedlab import cli
+    from pagedlab.bench import http_client
+
+    bench = types.SimpleNamespace(options=BenchOptions(cpu_fused_ops=cpu_fused_ops))
+    workload = workloads.Workload("w", (workloads.RequestSpec((1, 2, 3), 4),), "fixed")
+    options = suites._engine_options(bench, workload)
+    command = http_client.serve_command(tiny_model("llama"), None, options)
+    args = cli._parser().parse_args(command[3:])  # after `python -m pagedlab`; a flag it does not know exits
+    assert systems.engine_config(**cli._engine_kwargs(args)) == systems.engine_config(**options)
