@@ -150,9 +150,10 @@ def serve_command(model, model_source, engine_options: dict) -> list[str]:
         if value is None or name == "record_trace":
             continue
         flag = "--engine-seed" if name == "seed" else "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            off = _OFF_FLAGS.get(name)
-            command += ([] if value else [off]) if off else ([flag] if value else [])
+        if name in _OFF_FLAGS:
+            command += [] if value else [_OFF_FLAGS[name]]
+        elif isinstance(value, bool):
+            command += [flag] if value else []
         else:
             command += [flag, str(value)]
     return command
