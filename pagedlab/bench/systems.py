@@ -129,7 +129,9 @@ def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system
     from pagedlab.engine import LLMEngine
     from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 
-    engine = LLMEngine(model, tokenizer, engine_config(record_trace=True, **options))
+    # every step's record, not the engine's default last 1,000: token times, KV use and batch sizes come from them
+    config = dataclasses.replace(engine_config(record_trace=True, **options), max_trace_steps=None)
+    engine = LLMEngine(model, tokenizer, config)
     make = params or (lambda i, spec: SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True))
     pending = [(arrivals[i] if arrivals else 0.0, i) for i in range(len(workload.requests))]
     pending.sort()
@@ -186,9 +188,10 @@ def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system
 
 def _latencies(trace, step_times: list[float], arrived: dict[str, float]) -> dict:
     """Per-request token times from the trace's `appended` (one record per `step()` call, in order)."""
+    assert trace.num_dropped == 0 and len(trace.steps) == len(step_times), "the trace must hold every step"
     token_times: dict[str, list[float]] = {}
     group_of = trace.group_ids()
-    for record, at in zip(trace.steps[-len(step_times):] if step_times else (), step_times):
+    for record, at in zip(trace.steps, step_times):
         for sequence_id, _ in record.appended:
             token_times.setdefault(group_of[sequence_id], []).append(at)
     ttft, tpot, itl = [], [], []

@@ -246,3 +246,24 @@ def test_the_bench_starts_its_own_server_with_the_benchs_engine_options(cpu_fuse
     command = http_client.serve_command(tiny_model("llama"), None, options)
     args = cli._parser().parse_args(command[3:])  # after `python -m pagedlab`; a flag it does not know exits
     assert systems.engine_config(**cli._engine_kwargs(args)) == systems.engine_config(**options)
+
+
+def test_token_latencies_cover_every_step_of_a_run_longer_than_the_engines_trace():
+    """The engine keeps only its last `max_trace_steps` records (1,000 by default): the bench must still see
+    every token's time, not zip the kept records with the first step times (which gave negative TTFTs)."""
+    workload = workloads.random_prompts(128, num_requests=3, prompt_len=6, max_tokens=12)
+    arrivals = [0.0, 0.0, 0.05]
+    result = systems.run_pagedlab(tiny_model(), None, workload, arrivals=arrivals, max_trace_steps=4,
+                                  max_num_seqs=8, max_num_batched_tokens=256)
+    assert len(result.extra["ttft_s"]) == 3 and min(result.extra["ttft_s"]) >= 0
+    assert len(result.extra["tpot_s"]) == 3
+    assert len(result.extra["itl_s"]) == 3 * (12 - 1)
+    assert result.peak_num_seqs >= 2 and result.steady_batch >= 1
+
+
+@pytest.mark.parametrize("given, via", [("both", ("in-process", "http")), ("http", ("http",)),
+                                        ("in-process,http", ("in-process", "http"))])
+def test_serving_via_takes_the_values_its_help_names(given, via):
+    from pagedlab import cli
+
+    assert cli._parser().parse_args(["bench", "--workload", "serving", "--serving-via", given]).serving_via == via
