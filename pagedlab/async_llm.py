@@ -145,16 +145,32 @@ class RequestStream:
                 self._owner.abort_nowait(self.request_id)
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread an `AsyncLLM` makes every engine call on. Build the engine on it too:
+
+        executor = engine_thread()
+        engine = executor.submit(LLMEngine.from_pretrained, "smollm2").result()
+        async_llm = AsyncLLM(engine, executor=executor)
+
+    OpenMP keeps a team of threads for each thread that has run a parallel region. A model loaded (and its KV
+    cache profiled) on one thread and stepped on another makes two teams: more OpenMP threads than the cores of a
+    small machine, and libgomp then stops spinning at its barriers, so each of the step's hundreds of parallel
+    regions waits for threads to wake (a decode step about 15% slower on 2 cores)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlab-engine")
+
+
 class AsyncLLM:
     """An `LLMEngine` stepped by a background task, for many concurrent requests.
 
     It binds to the event loop of its first request. `stat_loggers` get `record(EngineStats, IterationStats
-    | None)` after every step and every abort (see `pagedlab.prometheus`)."""
+    | None)` after every step and every abort (see `pagedlab.prometheus`). `executor`, the one-thread pool every
+    engine call runs on (default a new `engine_thread()`), is best the one the engine was built on; it is shut
+    down with the AsyncLLM."""
 
-    def __init__(self, engine, stat_loggers=()) -> None:
+    def __init__(self, engine, stat_loggers=(), executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.stat_loggers = list(stat_loggers)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlab-engine")
+        self._executor = executor if executor is not None else engine_thread()
         self._requests: dict[str, _RequestState] = {}
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -320,4 +336,5 @@ class AsyncLLM:
             stat_logger.record(self.stats, iteration)
 
 
-__all__ = ["AsyncLLM", "EngineDeadError", "FinishedRequest", "IterationStats", "RequestStream", "merge_deltas"]
+__all__ = ["AsyncLLM", "EngineDeadError", "FinishedRequest", "IterationStats", "RequestStream", "engine_thread",
+           "merge_deltas"]

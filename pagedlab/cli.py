@@ -109,6 +109,7 @@ def _serve(args) -> int:
     import os
     import signal
 
+    from pagedlab.async_llm import engine_thread
     from pagedlab.engine import LLMEngine
     from pagedlab.entrypoints.openai.api_server import bind_socket, build_app, run_server
 
@@ -116,11 +117,13 @@ def _serve(args) -> int:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
     api_key = args.api_key or os.environ.get("PAGEDLAB_API_KEY") or None
-    # A server runs for days: it keeps no record of every step (record_trace is for the chapters).
-    engine = LLMEngine.from_pretrained(model, dtype=args.dtype, device=args.device, record_trace=False,
-                                       **_engine_kwargs(args))
+    # A server runs for days: it keeps no record of every step (record_trace is for the chapters). The model is
+    # loaded on the thread that will step it (`engine_thread` says why).
+    executor = engine_thread()
+    engine = executor.submit(LLMEngine.from_pretrained, model, dtype=args.dtype, device=args.device,
+                             record_trace=False, **_engine_kwargs(args)).result()
     name = args.served_model_name or model or "smollm2-135m-instruct"
-    app = build_app(engine, name, api_key)
+    app = build_app(engine, name, api_key, executor)
     sock = bind_socket(args.host, args.port)  # port 0: a free one, printed below
     host, port = sock.getsockname()[:2]
     print(f"pagedlab serve: {name} on http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "

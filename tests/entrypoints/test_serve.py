@@ -329,3 +329,43 @@ def test_pagedlab_serve_answers_the_openai_client_and_stops_cleanly(smollm2, sig
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_pagedlab_serve_builds_its_engine_on_the_thread_that_steps_it(monkeypatch):
+    """OpenMP keeps one thread team per thread that ran a parallel region: a model loaded on the main thread and
+    stepped on the engine thread makes two teams, more threads than a small machine's cores, and libgomp then
+    stops spinning at its barriers (each decode step about 15% slower on 2 cores). `pagedlab serve` loads the
+    model on the thread its steps run on."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from pagedlab import cli
+    from pagedlab.entrypoints.openai import api_server
+    from tests.helpers import tiny_server_engine
+
+    threads = {"built": set(), "stepped": set()}
+
+    def from_pretrained(*args, **kwargs):
+        threads["built"].add(threading.get_ident())
+        engine = tiny_server_engine()
+        step = engine.step
+
+        def recorded_step():
+            threads["stepped"].add(threading.get_ident())
+            return step()
+
+        engine.step = recorded_step
+        return engine
+
+    def run_server(app, sock=None, log_level="info"):
+        sock.close()
+        with TestClient(app) as client:
+            response = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+            assert response.status_code == 200, response.text
+
+    monkeypatch.setattr(LLMEngine, "from_pretrained", staticmethod(from_pretrained))
+    monkeypatch.setattr(api_server, "run_server", run_server)
+    assert cli.main(["serve", "--port", "0"]) == 0
+    assert len(threads["built"]) == 1 and threads["stepped"] == threads["built"]
+    assert threads["built"] != {threading.get_ident()}

@@ -36,13 +36,14 @@ from pagedlab.prometheus import CONTENT_TYPE_LATEST, PrometheusStatLogger
 logger = logging.getLogger("pagedlab.serve")
 
 
-def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The server app over an `LLMEngine`. Nothing runs until the app starts (its lifespan)."""
+def build_app(engine, model_name: str, api_key: str | None = None, executor=None) -> FastAPI:
+    """The server app over an `LLMEngine`, stepped on `executor` (best the `engine_thread()` that built it; see
+    `AsyncLLM`). Nothing runs until the app starts (its lifespan)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         metrics = PrometheusStatLogger(model_name, max_model_len=getattr(engine, "max_model_len", None) or 8192)
-        async_llm = AsyncLLM(engine, [metrics])
+        async_llm = AsyncLLM(engine, [metrics], executor)
         metrics.record(async_llm.stats)
         app.state.metrics, app.state.async_llm = metrics, async_llm
         app.state.completion = OpenAIServingCompletion(async_llm, model_name)
