@@ -152,8 +152,11 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+_BOTH_WAYS = ("in-process", "http")  # the serving bench's default: straight into the engine, then over HTTP
+
+
 def _serving_via(text: str) -> tuple[str, ...]:
-    return ("in-process", "http") if text.strip() == "both" else _names(text)
+    return _BOTH_WAYS if text.strip() == "both" else _names(text)
 
 
 def _bench_parser(commands) -> None:
@@ -188,7 +191,7 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--endpoint", default=None,
                        help="serving: measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) over HTTP; "
                             "default: in process and over HTTP against `pagedlab serve` started on a free port")
-    bench.add_argument("--serving-via", type=_serving_via, default=("in-process", "http"),
+    bench.add_argument("--serving-via", type=_serving_via, default=_BOTH_WAYS,
                        help="serving without --endpoint: in-process, http, or both (default)")
     bench.add_argument("--sweep-max-num-seqs", type=_ints, default=(), help="chat/nano-vllm: e.g. 8,32,128,256")
     bench.add_argument("--overhead-sizes", type=_ints, default=(256, 1024), help="overhead: running sequences")
