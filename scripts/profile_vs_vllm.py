@@ -1,12 +1,14 @@
-"""Where the time of the chat workload goes, pagedlab beside vLLM's CPU backend: py-spy's native samples of one
-run of each, sorted into the same parts.
+"""Where the time of a workload goes, pagedlab beside vLLM's CPU backend: py-spy's native samples of one run of
+each, sorted into the same parts.
 
     .venv/bin/pip install py-spy          # a sampling profiler; not one of pagedlab's dependencies
     make vllm-env                         # vLLM in .venv-vllm
     .venv/bin/python scripts/profile_vs_vllm.py --threads 1 --dtype float32
+    .venv/bin/python scripts/profile_vs_vllm.py --workload prefix --threads 2
 
-The workload and settings are `pagedlab bench --workload chat --compare vllm`'s (`--num-requests` requests, greedy,
-exact output lengths, the same KV budget in bytes). Each system runs once untimed by the profiler (its time is the
+The workloads and settings are `pagedlab bench --workload chat|prefix --compare vllm`'s (`--num-requests` requests,
+greedy, exact output lengths, the same KV budget in bytes; prefix: both with prefix caching on, vLLM's blocks its
+own choice). Each system runs once untimed by the profiler (its time is the
 table's `seconds` column) and once under py-spy (`--native`, so that C++ frames are seen: oneDNN's kernels, the
 attention kernels, Inductor's fused loops). Only the thread that runs the model is counted: pagedlab's main thread,
 vLLM's worker process (its engine-core process, which waits on the worker, and its front end are left out). A
@@ -32,8 +34,16 @@ JIT = re.compile(r"^0x[0-9a-f]+ \(\?\)$")  # code without a symbol: oneDNN's JIT
 
 
 def _linear(stack: str, leaf: str) -> bool:
+    # JIT code in pagedlab's one-call decoder layer (csrc/llama_layer_cpu.cpp) is oneDNN's: the layer's own
+    # kernels are compiled C++, with symbols; py-spy cannot unwind past JIT code, so only the Python frames remain
     return bool(re.search(r"dnnl|brgemm|mkldnn|onednn|cpu_linear\.py|sgemm|mkl_", stack, re.I)) or (
-        JIT.match(leaf) is not None and re.search(r"Runner\.call|linear", stack) is not None)
+        JIT.match(leaf) is not None and re.search(r"Runner\.call|linear|_decoder_layer \(pagedlab/", stack) is not None)
+
+
+def pagedlab_timed(stack: str) -> bool:
+    """A sample of pagedlab's run that its time counts: on the main thread, not building the engine (packing the
+    weights for oneDNN, allocating the KV cache), which the bench times apart as vLLM's start is."""
+    return "Thread._bootstrap" not in stack and "LLMEngine.__init__" not in stack
 
 
 # pagedlab's C++ extension: its library's name is in every frame of its code, the decode kernel's and the fused ops'
@@ -101,7 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--workload", default="chat", choices=("chat", "prefix"))
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 32 chat, 64 prefix requests")
     parser.add_argument("--out", default=None, help="folder for py-spy's raw files (default: a temporary one)")
     args = parser.parse_args()
     py_spy()
@@ -115,32 +126,40 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(None, None, dtype=args.dtype)
-    workload = workloads.chat(tokenizer, model.config.vocab_size, num_requests=args.num_requests)
-    bench = BenchOptions()  # the bench's step budgets
+    bench = BenchOptions()  # the bench's step budgets and workload sizes
+    if args.workload == "chat":
+        workload = workloads.chat(tokenizer, model.config.vocab_size, num_requests=args.num_requests or 32)
+    else:
+        workload = workloads.shared_prefix(tokenizer, model.config.vocab_size, args.num_requests or 64,
+                                           bench.prefix_len, max_tokens=bench.prefix_max_tokens)
+    caching = args.workload == "prefix"
+    longest_prompt = max(r.num_prompt_tokens for r in workload.requests)
     limits = dict(max_num_seqs=bench.max_num_seqs, max_model_len=workload.max_len,
-                  max_num_batched_tokens=bench.max_num_batched_tokens)
+                  max_num_batched_tokens=max(bench.max_num_batched_tokens, longest_prompt))
     out = Path(args.out or tempfile.mkdtemp(prefix="pagedlab-profile-"))
     out.mkdir(parents=True, exist_ok=True)
 
     seconds, samples = {}, {}
-    first = systems.run_pagedlab(model, tokenizer, workload, **limits)  # sizes the KV budget, warms up
+    first = systems.run_pagedlab(model, tokenizer, workload, enable_prefix_caching=caching, **limits)  # warms up
     seconds["pagedlab"] = first.elapsed_s
+    steps = first.extra["step_seconds"]
     num_slots = first.extra["num_kv_blocks"] * first.extra["block_size"]
     sampler = Sampler(os.getpid(), out / "pagedlab.txt")
-    systems.run_pagedlab(model, tokenizer, workload, **limits)
+    systems.run_pagedlab(model, tokenizer, workload, enable_prefix_caching=caching, **limits)
     sampler.stop()
-    samples["pagedlab"] = classify(out / "pagedlab.txt", lambda stack: "Thread._bootstrap" not in stack)
+    samples["pagedlab"] = classify(out / "pagedlab.txt", pagedlab_timed)
 
     bytes_per_token = KVCacheSpec.from_model_config(model.config, model.dtype).bytes_per_token
     with systems.VLLMSession(str(embedded_model_dir()), workload, dtype=args.dtype, threads=args.threads,
-                             kv_cache_memory_bytes=num_slots * bytes_per_token, **limits) as session:
+                             kv_cache_memory_bytes=num_slots * bytes_per_token, enable_prefix_caching=caching,
+                             **limits) as session:
         seconds["vllm"] = session.run_once()
         sampler = Sampler(session.pid, out / "vllm.txt", subprocesses=True)
         session.run_once()
         sampler.stop()
     samples["vllm"] = classify(out / "vllm.txt", lambda stack: "VLLM::Worker" in stack)
 
-    print(f"chat, {args.num_requests} requests, {args.dtype}, {args.threads} thread(s); {cpu_model()}; "
+    print(f"{args.workload}, {len(workload.requests)} requests, {args.dtype}, {args.threads} thread(s); {cpu_model()}; "
           f"py-spy --native at 50 Hz; raw samples in {out}")
     print(f"untimed-by-the-profiler runs: pagedlab {seconds['pagedlab']:.1f} s, vLLM {seconds['vllm']:.1f} s")
     header = f"{'part':52s} {'pagedlab':>9s} {'s':>6s} {'vLLM':>9s} {'s':>6s} {'gap s':>6s}"
@@ -151,6 +170,12 @@ def main() -> None:
             share = samples[system][name] / max(sum(samples[system].values()), 1)
             row += [share, share * seconds[system]]
         print(f"{name:52s} {row[0]:8.1%} {row[1]:6.1f} {row[2]:8.1%} {row[3]:6.1f} {row[1] - row[3]:6.1f}")
+    print("pagedlab's steps (its trace, the untimed run):")
+    for kind in ("prefill", "decode"):
+        times = [t for k, t in steps if k == kind]
+        median = 1e3 * sorted(times)[len(times) // 2] if times else 0.0
+        print(f"  {kind:8s} steps {len(times):4d}  {sum(times):6.2f} s  median {median:.1f} ms")
+    print(f"  between steps and after: {seconds['pagedlab'] - sum(t for _, t in steps):.2f} s")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,8 @@ def _run_pagedlab_once(model, tokenizer, workload, arrivals, params, bar, system
         "block_size": stats.block_size,
         "linear_backend": getattr(engine.worker, "linear_backend", None),
         "outputs": [[c.token_ids for c in outputs[rid].outputs] for rid in request_ids],
+        # each step's kind and wall-clock time, scheduling to outputs (a step with any prompt tokens is a prefill)
+        "step_seconds": [("prefill" if r.num_prefill_tokens else "decode", r.duration_s) for r in trace.steps],
     }
     result.extra.update(_latencies(trace, step_times, arrived))
     return result

@@ -14,9 +14,11 @@ themselves, after any context already in the cache):
     rows:  [ d0 d1 d2 ... | p0 p0 p0 p0 p0 | p1 p1 p1 ]
              decodes        prefill 0        prefill 1
 
-`decode_attention` is the reference: every decode's blocks gathered, padded to the longest, one masked SDPA.
-On CPU the forward pass runs a C++ kernel that reads the blocks where they lie (`cpu_attention.py`, built at
-first use); where it cannot be built, `bucketed_decode_attention`: the same arithmetic as the reference over
+`decode_attention` is the reference: every decode's blocks gathered, padded to the longest, one masked SDPA;
+`prefill_attention` likewise for one prefill chunk. On CPU the forward pass runs C++ kernels that read the blocks
+where they lie (`cpu_attention.py`, built at first use): one call for the decodes, one for all prefill chunks.
+Where they cannot be built, the prefill chunks run `prefill_attention` one by one, and the decodes
+`bucketed_decode_attention`: the same arithmetic as the reference over
 runs of decodes of similar length (the model runner sends decodes longest first), which gathers about half
 the keys on a chat workload and keeps each bucket's gathered K and V small enough to stay in cache for SDPA.
 The Triton kernels in `pagedlab.kernels` compute the same thing; this file is their reference.
@@ -82,6 +84,14 @@ class AttentionMetadata:
         """Forget what was derived for a step (masks, kernel inputs), as a new step starts afresh."""
         self._masks.clear()
         self.kernel_inputs.clear()
+
+    def prefill_kernel_inputs(self) -> cpu_attention.PrefillInputs:
+        """The prefill chunks as the C++ prefill kernel takes them (built on the first layer, then reused)."""
+        inputs = self.kernel_inputs.get("prefill")
+        if inputs is None:
+            inputs = self.kernel_inputs["prefill"] = cpu_attention.PrefillInputs.build(
+                [(c.start, c.num_context, c.num_new, c.block_ids) for c in self.prefills])
+        return inputs
 
     def decode_buckets(self, block_size: int, sliding_window: int | None) -> list[DecodeBucket]:
         """The decodes split into length buckets (built on the first layer that asks, then reused)."""
@@ -306,11 +316,18 @@ def paged_attention_forward(
         else:
             buckets = metadata.decode_buckets(key_cache.shape[1], sliding_window)
             bucketed_decode_attention(decode_q, key_cache, value_cache, buckets, scaling, decode_out, k_scale, v_scale)
-    for chunk in metadata.prefills:
-        rows = slice(chunk.start, chunk.end)
-        out[rows] = prefill_attention(
-            q[rows], k[rows], v[rows], key_cache, value_cache, chunk, scaling, sliding_window, k_scale, v_scale
-        )
+    if metadata.prefills:
+        kernel = cpu_attention.kernel() if cpu_attention.supports_prefill(q, key_cache) else None
+        if kernel is not None:  # every chunk in one call, the blocks read in place, no gather, no mask
+            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+            cpu_attention.paged_prefill_cpu(q, key_cache, value_cache, metadata.prefill_kernel_inputs(), scale,
+                                            sliding_window, out, kernel)
+        else:
+            for chunk in metadata.prefills:
+                rows = slice(chunk.start, chunk.end)
+                out[rows] = prefill_attention(
+                    q[rows], k[rows], v[rows], key_cache, value_cache, chunk, scaling, sliding_window, k_scale, v_scale
+                )
     return out.unsqueeze(0), None
 
 

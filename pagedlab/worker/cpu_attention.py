@@ -1,10 +1,12 @@
-"""CPU decode attention that reads the paged KV cache in place: a small C++ kernel, built at first use.
+"""CPU attention that reads the paged KV cache in place: small C++ kernels, built at first use.
 
 `paged_decode_cpu(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, out)`
 computes what `decode_attention` (attention.py, the reference) computes, without gathering the blocks first:
 the kernel (csrc/paged_decode_cpu.cpp) walks each sequence's block table and reads K and V once, where they
-lie. It is compiled with the system's C++ compiler and OpenMP through `torch.utils.cpp_extension` the first
-time it is asked for (vLLM's CPU backend also builds C++ attention; pagedlab builds it lazily so that a
+lie. `paged_prefill_cpu` does the same for a step's prefill chunks (csrc/paged_prefill_cpu.cpp; the reference is
+`prefill_attention`, chunk by chunk): tiles of query rows against the keys, as a matrix product's inner kernel.
+They are compiled with the system's C++ compiler and OpenMP through `torch.utils.cpp_extension` the first
+time they are asked for (vLLM's CPU backend also builds C++ attention; pagedlab builds it lazily so that a
 `pip install` needs no compiler), and cached in ~/.cache/pagedlab/torch_extensions under a name that hashes
 the source text, the flags, the torch it builds against and the CPU, so later processes load it in about a second
 (a first build took 38-98 s on a busy 2-core machine; `make install` builds it, and a lazy first build says so in
@@ -38,6 +40,10 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
 FUSED_SOURCE = SOURCE.with_name("fused_cpu.cpp")
 # and a Llama decoder layer's decode step in one call, on those kernels (`cpu_fused.decode_layer_inputs`)
 LAYER_SOURCE = SOURCE.with_name("llama_layer_cpu.cpp")
+# and prefill attention, every chunk of a step in one call (`paged_prefill_cpu`)
+PREFILL_SOURCE = SOURCE.with_name("paged_prefill_cpu.cpp")
+# the float vectors the attention kernels share, included by them
+VECTOR_HEADER = SOURCE.with_name("cpu_vector.h")
 CACHE_DIR = Path(os.environ.get("PAGEDLAB_CACHE", Path.home() / ".cache" / "pagedlab")) / "torch_extensions"
 
 
@@ -72,7 +78,7 @@ def _cpu_signature() -> str:
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, FUSED_SOURCE, LAYER_SOURCE
+    return SOURCE, FUSED_SOURCE, LAYER_SOURCE, PREFILL_SOURCE
 
 
 def build_name() -> str:
@@ -80,8 +86,9 @@ def build_name() -> str:
     the source lies is left out (the build compiles a copy kept beside it), and torch's folder is in: torch's build
     file names its headers by that path, so two torch installs sharing one name would rebuild on every load."""
     digest = hashlib.sha256()
-    for part in (*(source.read_text() for source in _sources()), " ".join(compiler_flags()), torch.__version__,
-                 str(Path(torch.__file__).parent), sysconfig.get_paths()["include"], _cpu_signature()):
+    texts = [source.read_text() for source in (*_sources(), VECTOR_HEADER)]
+    for part in (*texts, " ".join(compiler_flags()), torch.__version__, str(Path(torch.__file__).parent),
+                 sysconfig.get_paths()["include"], _cpu_signature()):
         digest.update(part.encode())
     return f"pagedlab_paged_decode_cpu_{digest.hexdigest()[:16]}"
 
@@ -118,6 +125,7 @@ def load() -> KernelBuild:
         directory.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(directory / "lock")
         flags = compiler_flags()
+        _source_copy(directory, VECTOR_HEADER)  # beside the sources that include it
         sources = [str(_source_copy(directory, source)) for source in _sources()]
         cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(directory), verbose=False, is_python_module=False)
@@ -200,6 +208,57 @@ def paged_decode_cpu(
     context_lens = context_lens.to(torch.long).contiguous()
     module.paged_decode(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
                         int(sliding_window or 0))
+    return out
+
+
+PREFILL_HEAD_DIMS = (64, 80, 128)  # compiled into the prefill kernel
+PREFILL_MAX_GROUP = 48  # query heads per KV head in one of its tiles
+
+
+def supports_prefill(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the prefill kernel takes these tensors: `supports`, and a head_dim and grouping it was built for."""
+    return (supports(query, key_cache) and query.shape[-1] in PREFILL_HEAD_DIMS
+            and query.shape[1] // key_cache.shape[2] <= PREFILL_MAX_GROUP)
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """A step's prefill chunks as the kernel takes them: per chunk its block table (padded with block 0), its
+    first row in the flat batch, its cached tokens and its new ones (int64)."""
+
+    block_tables: torch.Tensor  # [num_chunks, max_blocks]
+    query_starts: torch.Tensor  # [num_chunks]
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, int, torch.Tensor]]) -> PrefillInputs:
+        """From (first row, cached tokens, new tokens, block ids) per chunk."""
+        width = max(len(block_ids) for *_, block_ids in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, (*_, block_ids) in enumerate(chunks):
+            tables[i, :len(block_ids)] = block_ids
+        starts, contexts, lens = (torch.tensor(column, dtype=torch.long) for column in list(zip(*chunks))[:3])
+        return cls(tables, starts, contexts, lens)
+
+
+def paged_prefill_cpu(
+    query: torch.Tensor,  # [num_tokens, q_heads, head_dim]: the flat batch (decodes' rows are left alone)
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], the chunks' new K and V written
+    value_cache: torch.Tensor,
+    inputs: PrefillInputs,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    module=None,
+) -> torch.Tensor:
+    """Every prefill chunk's attention (causal, after its cached context) by the C++ kernel, into its rows of
+    `out`; what `attention.prefill_attention` computes chunk by chunk. Raises RuntimeError if unavailable."""
+    module = module or kernel()
+    if module is None:
+        raise RuntimeError("the C++ CPU attention kernel is not available (see the warning from its build)")
+    module.paged_prefill(out, query, key_cache, value_cache, inputs.block_tables, inputs.query_starts,
+                         inputs.context_lens, inputs.query_lens, float(scale), int(sliding_window or 0))
     return out
 
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SO = "(pagedlab_paged_decode_cpu_3bfb9b867b861564.so)"
 LAYER = ("LLMEngine.step (pagedlab/engine.py:149);"
          "LlamaDecoderLayer.forward (transformers/models/llama/modeling_llama.py:312)")
-PREFIXES = {"attention": "attention", "fused": "norms, RoPE, activations (fused",
+PREFIXES = {"attention": "attention", "linear": "linear layers", "fused": "norms, RoPE, activations (fused",
             "eager": "norms, RoPE, activations (eager"}
 
 
@@ -34,6 +34,9 @@ def profile():
     (["LlamaRMSNorm.forward (transformers/models/llama/modeling_llama.py:60)", "at::native::rsqrt (libtorch_cpu.so)"],
      "eager"),
     (["cpu_attention::AttentionMainLoop<cpu_attention::AttentionImpl<c10::BFloat16> > (_C.abi3.so)"], "attention"),
+    # oneDNN's JIT GEMM inside the one-call decoder layer: py-spy sees no native frame above it
+    (["_decoder_layer (pagedlab/worker/cpu_fused.py:285)", "OpOverloadPacket.__call__ (torch/_ops.py:1279)",
+      "0x7f624a300269 (?)"], "linear"),
 ])
 def test_each_sample_goes_to_the_part_it_computes(profile, tmp_path, frames, part):
     raw = tmp_path / "raw.txt"
@@ -41,3 +44,11 @@ def test_each_sample_goes_to_the_part_it_computes(profile, tmp_path, frames, par
     parts = profile.classify(raw, lambda stack: True)
     (name,) = parts
     assert parts[name] == 3 and name.startswith(PREFIXES[part]), name
+
+
+def test_building_the_engine_is_not_counted_as_its_run(profile):
+    packing = ("run_pagedlab.<locals>.<lambda> (pagedlab/bench/systems.py:123);"
+               "LLMEngine.__init__ (pagedlab/engine.py:80);PackedLinears.__init__ (pagedlab/worker/cpu_linear.py:84)")
+    assert not profile.pagedlab_timed(packing)
+    assert profile.pagedlab_timed(LAYER)
+    assert not profile.pagedlab_timed("Thread._bootstrap (threading.py:1012);" + LAYER)

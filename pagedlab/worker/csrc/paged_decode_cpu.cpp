@@ -35,51 +35,17 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vector.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
-using vfloat = float __attribute__((vector_size(64)));
-using vint = int32_t __attribute__((vector_size(64)));
-using vu32 = uint32_t __attribute__((vector_size(64)));
-using vu16 = uint16_t __attribute__((vector_size(32)));
+using namespace pagedlab_cpu;
 
 #if defined(__clang__)
 #define PAGEDLAB_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define PAGEDLAB_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vint{__VA_ARGS__})
 #endif
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline vfloat broadcast(float x) { return vfloat{} + x; }
-
-// Widen n values to float32: bfloat16 is the top half of a float32; float16 goes through c10.
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const auto* bits = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vu16 half;
-    std::memcpy(&half, bits + i, sizeof(half));
-    const vu32 wide = __builtin_convertvector(half, vu32) << 16;
-    std::memcpy(dst + i, &wide, sizeof(wide));
-  }
-  for (; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
-}
-
-inline void to_float(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 // The sums of the lanes of x[0..15], as one vector: result[t] = x[t][0] + ... + x[t][15]. Four rounds, each
 // adding the two halves of pairs of vectors side by side: 16 vectors of 16 partial sums -> 8 of 2 x 8 ->
@@ -103,43 +69,6 @@ inline float hsum(vfloat v) {
   float s = 0.0f;
   for (int64_t i = 0; i < kLanes; ++i) s += v[i];
   return s;
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), vectorisable: x = n ln2 + r, exp(r) by a degree-6
-// polynomial on |r| <= ln2/2, 2^n put into the exponent bits. Relative error below 2e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// 16 values of a cache row as a float32 vector.
-inline vfloat load16(const float* p) { return load(p); }
-
-inline vfloat load16(const c10::BFloat16* p) {
-  vu16 half;
-  std::memcpy(&half, p, sizeof(half));
-  const vu32 wide = __builtin_convertvector(half, vu32) << 16;
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-
-inline vfloat load16(const c10::Half* p) {
-  float f[kLanes];
-  to_float(p, f, kLanes);
-  return load(f);
 }
 
 // Ask for a row that a later part of the walk reads: blocks lie anywhere in the cache, so the hardware's stream
