@@ -18,9 +18,9 @@ themselves, after any context already in the cache):
 `prefill_attention` likewise for one prefill chunk. On CPU the forward pass runs C++ kernels that read the blocks
 where they lie (`cpu_attention.py`, built at first use): one call for the decodes, one for all prefill chunks.
 Where they cannot be built, the prefill chunks run `prefill_attention` one by one, and the decodes
-`bucketed_decode_attention`: the same arithmetic as the reference over
-runs of decodes of similar length (the model runner sends decodes longest first), which gathers about half
-the keys on a chat workload and keeps each bucket's gathered K and V small enough to stay in cache for SDPA.
+`bucketed_decode_attention`: the same arithmetic as the reference over runs of decodes of similar length (the
+model runner sends decodes longest first), which gathers about half the keys on a chat workload and keeps each
+bucket's gathered K and V small enough to stay in cache for SDPA.
 The Triton kernels in `pagedlab.kernels` compute the same thing; this file is their reference.
 
 A quantised cache (`kv_cache_dtype="fp8"`, worker/kv_quant.py) is quantised as it is written and dequantised
