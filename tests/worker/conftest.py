@@ -1,10 +1,19 @@
-"""Fixtures of the worker's tests: the two paths of the oneDNN linear backend."""
+"""Fixtures of the worker's tests: the C++ CPU kernels' build, and the two paths of the oneDNN linear backend."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedlab.worker import cpu_linear
+from pagedlab.worker import cpu_attention, cpu_linear
+
+
+@pytest.fixture(scope="session")
+def kernel():
+    """The C++ CPU kernels' module (decode, prefill, fused ops); the test is skipped where they cannot be built."""
+    module = cpu_attention.load().module
+    if module is None:
+        pytest.skip(f"the C++ kernel could not be built here: {cpu_attention.load().error}")
+    return module
 
 
 @pytest.fixture(params=["every product packed", "a few rows to MKL"])

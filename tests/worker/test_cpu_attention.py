@@ -14,14 +14,6 @@ LENS = [1, 2, 15, 16, 17, 33, 40, 300, 301, 64, 5, 128]
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_attention.load().module
-    if module is None:
-        pytest.skip(f"the C++ kernel could not be built here: {cpu_attention.load().error}")
-    return module
-
-
 def _case(block_size, q_heads, kv_heads, head_dim, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in LENS) + 4
