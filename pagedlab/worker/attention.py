@@ -87,9 +87,9 @@ class AttentionMetadata:
 
     def prefill_kernel_inputs(self) -> cpu_attention.PrefillInputs:
         """The prefill chunks as the C++ prefill kernel takes them (built on the first layer, then reused)."""
-        inputs = self.kernel_inputs.get("prefill")
+        inputs = self.kernel_inputs.get("cpu_prefill")
         if inputs is None:
-            inputs = self.kernel_inputs["prefill"] = cpu_attention.PrefillInputs.build(
+            inputs = self.kernel_inputs["cpu_prefill"] = cpu_attention.PrefillInputs.build(
                 [(c.start, c.num_context, c.num_new, c.block_ids) for c in self.prefills])
         return inputs
 
