@@ -61,7 +61,7 @@ def _one_shape(shape: list[tuple[int, int]], dtype: torch.dtype, rounds: int) ->
     key = torch.randn(row, kv_heads, head_dim, generator=generator).to(dtype)
     value = torch.randn(key.shape, generator=generator).to(dtype)
     out = torch.empty_like(query)
-    inputs = cpu_attention.PrefillInputs.build([(c.start, c.num_context, c.num_new, c.block_ids) for c in chunks])
+    inputs = cpu_attention.PrefillInputs.build(chunks)
 
     def torch_path():
         for c in chunks:

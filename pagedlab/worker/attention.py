@@ -89,8 +89,7 @@ class AttentionMetadata:
         """The prefill chunks as the C++ prefill kernel takes them (built on the first layer, then reused)."""
         inputs = self.kernel_inputs.get("cpu_prefill")
         if inputs is None:
-            inputs = self.kernel_inputs["cpu_prefill"] = cpu_attention.PrefillInputs.build(
-                [(c.start, c.num_context, c.num_new, c.block_ids) for c in self.prefills])
+            inputs = self.kernel_inputs["cpu_prefill"] = cpu_attention.PrefillInputs.build(self.prefills)
         return inputs
 
     def decode_buckets(self, block_size: int, sliding_window: int | None) -> list[DecodeBucket]:

@@ -28,10 +28,15 @@ import platform
 import sysconfig
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # attention.py imports this module
+    from pagedlab.worker.attention import PrefillChunk
 
 logger = logging.getLogger("pagedlab")
 
@@ -232,13 +237,10 @@ class PrefillInputs:
     query_lens: torch.Tensor
 
     @classmethod
-    def build(cls, chunks: list[tuple[int, int, int, torch.Tensor]]) -> PrefillInputs:
-        """From (first row, cached tokens, new tokens, block ids) per chunk."""
-        width = max(len(block_ids) for *_, block_ids in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.long)
-        for i, (*_, block_ids) in enumerate(chunks):
-            tables[i, :len(block_ids)] = block_ids
-        starts, contexts, lens = (torch.tensor(column, dtype=torch.long) for column in list(zip(*chunks))[:3])
+    def build(cls, chunks: Sequence[PrefillChunk]) -> PrefillInputs:
+        tables = torch.nn.utils.rnn.pad_sequence([c.block_ids.to(torch.long) for c in chunks], batch_first=True)
+        starts, contexts, lens = (torch.tensor(column, dtype=torch.long)
+                                  for column in zip(*((c.start, c.num_context, c.num_new) for c in chunks)))
         return cls(tables, starts, contexts, lens)
 
 

@@ -52,7 +52,7 @@ def test_kernel_equals_reference(kernel, dtype, sliding_window, block_size, q_he
     query, key_cache, value_cache, chunks = _case(block_size, q_heads, kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     out = torch.full(query.shape, 7.0, dtype=dtype)
-    inputs = cpu_attention.PrefillInputs.build([(c.start, c.num_context, c.num_new, c.block_ids) for c in chunks])
+    inputs = cpu_attention.PrefillInputs.build(chunks)
     cpu_attention.paged_prefill_cpu(query, key_cache, value_cache, inputs, scale, sliding_window, out, kernel)
     assert (out[:NUM_DECODE_ROWS] == 7.0).all()
     for chunk in chunks:
@@ -73,7 +73,7 @@ def test_what_it_does_not_take_goes_to_the_torch_path():
 
 def test_bad_shapes_are_refused(kernel):
     query, key_cache, value_cache, chunks = _case(16, 9, 3, 64, torch.float32)
-    inputs = cpu_attention.PrefillInputs.build([(c.start, c.num_context, c.num_new, c.block_ids) for c in chunks])
+    inputs = cpu_attention.PrefillInputs.build(chunks)
     with pytest.raises(RuntimeError, match="head shapes"):
         cpu_attention.paged_prefill_cpu(query[:, :8], key_cache, value_cache, inputs, 0.1, None,
                                         torch.empty(query[:, :8].shape), kernel)
