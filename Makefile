@@ -86,7 +86,8 @@ $(VLLM_VENV)/.vllm-installed: Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $@
 
-# On a CUDA machine: the full kernel grid, then the decode-kernel benchmark; writes gpu_check.md.
+# On a CUDA machine: the full kernel grid, the decode-kernel benchmark, the engine (CUDA graphs and eager), the
+# compiled forward, and with 2+ GPUs pipeline and tensor parallelism; writes gpu_check.md.
 gpu-check: install
 	$(PY) scripts/gpu_check.py --output gpu_check.md
 

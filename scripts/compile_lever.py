@@ -3,6 +3,7 @@ the engine's eager forward, in one process, runs alternating (eager, compiled, e
 
     .venv/bin/python scripts/compile_lever.py --threads 1 --rounds 2
     .venv/bin/python scripts/compile_lever.py --threads 1 --mode freeze
+    python scripts/compile_lever.py --device cuda --dtype bfloat16   # what `make gpu-check` runs
 
 `--mode compile`: `torch.compile(model, dynamic=True)` with pagedlab's paged attention and each packed oneDNN linear
 layer behind a `torch.library.custom_op` (opaque to the compiler, so the graph does not break at every layer, as
@@ -10,6 +11,10 @@ vLLM's CPU backend does with its own ops); Inductor fuses the norms, RoPE, activ
 them. `--mode freeze`: the same with the model's own linear layers and Inductor's weight freezing (it then packs
 the weights for oneDNN itself). The attention op reads the step's `PagedAttentionContext` from a context variable
 set around each call, as vLLM's forward context does, so the graph sees only q, k and v.
+
+On a GPU (`--device cuda`) the model's own linear layers stay (there is no packing there), the attention op runs
+pagedlab's Triton kernels, and both sides run with `enforce_eager=True`, so that the compiled forward is compared
+with the eager one rather than with the engine's CUDA graphs (`scripts/gpu_check.py` times those).
 
 This is a measurement, not an engine option: it swaps `ModelRunner._forward` for the script's run. It prints each
 run's seconds (the first compiled one includes compiling: it compiles three times, once for the warm-up's shapes,
@@ -100,13 +105,13 @@ class Lever:
         lever = self
         own_packed_linears = model_runner.PackedLinears
 
-        def packed_linears(model):
+        def packed_linears(model, skip=frozenset()):
             if lever.mode != "compile" or not lever.active:  # the eager runs: the engine's own
-                return own_packed_linears(model)
+                return own_packed_linears(model, skip)
             if id(model) not in lever.linears:
                 own, cpu_linear._forward = cpu_linear._forward, op_forward
                 try:
-                    lever.linears[id(model)] = own_packed_linears(model)
+                    lever.linears[id(model)] = own_packed_linears(model, skip)
                 finally:
                     cpu_linear._forward = own
             return lever.linears[id(model)]
@@ -129,38 +134,61 @@ class Lever:
         model_runner.ModelRunner._forward = forward
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2, help="eager and compiled runs each, alternating")
-    parser.add_argument("--mode", choices=("compile", "freeze"), default="compile")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(None, None, dtype="float32")
-    workload = workloads.chat(tokenizer, model.config.vocab_size, num_requests=args.num_requests)
-    lever = Lever(args.mode)
+def compare(device: str, dtype: str, mode: str, rounds: int, num_requests: int, max_tokens: int | None,
+            attention_backend: str = "auto") -> tuple[dict[str, list[float]], int, int]:
+    """Eager and compiled runs of the chat workload, alternating: each run's seconds by name, and how many of the
+    requests' greedy tokens differ between the two."""
+    model, tokenizer = load_model(None, None, dtype=dtype, device=device)
+    output_len = (16, 512) if max_tokens is None else (min(16, max_tokens), max_tokens)
+    workload = workloads.chat(tokenizer, model.config.vocab_size, num_requests=num_requests, output_len=output_len)
+    lever = Lever(mode)
     lever.install()
-    backends = {"eager": "onednn", "compile": "onednn", "freeze": "torch"}  # freezing packs the weights itself
-    limits = dict(max_num_seqs=256, max_model_len=workload.max_len, max_num_batched_tokens=2048)
-    times: dict[str, list[float]] = {"eager": [], args.mode: []}
+    if device == "cpu":
+        backends = {"eager": "onednn", "compile": "onednn", "freeze": "torch"}  # freezing packs the weights itself
+        engine = {}
+    else:
+        backends = {"eager": "torch", mode: "torch"}
+        engine = {"enforce_eager": True}  # the compiled forward against the eager one, no CUDA graphs
+    limits = dict(max_num_seqs=256, max_model_len=workload.max_len, max_num_batched_tokens=2048,
+                  attention_backend=attention_backend, **engine)
+    times: dict[str, list[float]] = {"eager": [], mode: []}
     tokens = {}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name in times:
             lever.active = name != "eager"
             start = time.perf_counter()
             result = systems.run_pagedlab(model, tokenizer, workload, linear_backend=backends[name], **limits)
+            if device == "cuda":
+                torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
             tokens[name] = result.token_ids
             print(f"{name}: {times[name][-1]:.1f} s", flush=True)
-    print(f"chat, {args.num_requests} requests, float32, {args.threads} thread(s); "
-          f"{cpu_model()}; torch {torch.__version__}")
+    differ = sum(a != b for a, b in zip(tokens["eager"], tokens[mode]))
+    return times, differ, len(tokens["eager"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, help="cap each request's output (default: the workload's 16-512)")
+    parser.add_argument("--rounds", type=int, default=2, help="eager and compiled runs each, alternating")
+    parser.add_argument("--mode", choices=("compile", "freeze"), default="compile")
+    parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    times, differ, total = compare(args.device, args.dtype, args.mode, args.rounds, args.num_requests,
+                                   args.max_tokens, args.attention_backend)
+    where = (f"{args.threads} thread(s); {cpu_model()}" if args.device == "cpu"
+             else f"{torch.cuda.get_device_name()}, enforce_eager")
+    print(f"chat, {args.num_requests} requests, {args.dtype}, {where}; torch {torch.__version__}")
     for name, runs in times.items():
         warm = runs[1:] if name != "eager" and len(runs) > 1 else runs
         print(f"{name:8s} median {statistics.median(warm):.1f} s of {len(warm)} warm run(s) "
               f"({', '.join(f'{t:.1f}' for t in runs)}; the first compiled one compiles)")
-    differ = sum(a != b for a, b in zip(tokens["eager"], tokens[args.mode]))
-    print(f"greedy tokens: {differ} of {len(tokens['eager'])} requests differ between eager and {args.mode}")
+    print(f"greedy tokens: {differ} of {total} requests differ between eager and {args.mode}")
 
 
 if __name__ == "__main__":

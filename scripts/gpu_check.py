@@ -54,7 +54,19 @@ figure that comes from its first run, which prints the tables and writes them to
     | pagedlab (enforce_eager) | ... | ... |
     | HF generate (one static batch) | ... | ... |
 
-4. With two or more GPUs: the embedded SmolLM2 (bfloat16) on 16 of those prompts, 32 greedy tokens each, in one
+4. The compiled forward: `scripts/compile_lever.py --device cuda --dtype bfloat16` in a process of its own (it
+   swaps the engine's forward), the chat workload's 32 requests with the model compiled by Inductor
+   (`torch.compile(dynamic=True)`, pagedlab's paged attention, the Triton kernels, behind a
+   `torch.library.custom_op` so the graph does not break at every layer) against the eager forward, both with
+   `enforce_eager=True`, 2 rounds alternating; it reports, not fails, greedy tokens that differ (Inductor's fused
+   bfloat16 arithmetic may round differently; the lever is not in the engine, as it did not win on a CPU):
+
+    # compiled forward: chat, 32 requests, bfloat16, <GPU name>, enforce_eager; torch <version>
+    eager    median ... s of 2 warm run(s) (...)
+    compile  median ... s of 1 warm run(s) (...; the first compiled one compiles)
+    greedy tokens: ... of 32 requests differ between eager and compile
+
+5. With two or more GPUs: the embedded SmolLM2 (bfloat16) on 16 of those prompts, 32 greedy tokens each, in one
    process, in two pipeline stages over NCCL with one and with two batches in flight, and (with three GPUs) in
    three tensor-parallel ranks; every run's tokens must equal the one process's (exit status 1 otherwise):
 
@@ -91,7 +103,7 @@ def run_kernel_tests() -> bool:
     env = {**os.environ, "PAGEDLAB_FULL_KERNEL_GRID": "1"}
     env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU, not the interpreter
     command = [sys.executable, "-m", "pytest", str(KERNEL_TESTS), "-q", "-p", "no:cacheprovider"]
-    print(f"[1/4] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
+    print(f"[1/5] kernel grid: {' '.join(command[2:])} (PAGEDLAB_FULL_KERNEL_GRID=1)", flush=True)
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env)
     print(f"      {time.perf_counter() - start:.0f} s", flush=True)
@@ -136,7 +148,7 @@ def benchmark(device_name: str = "cuda") -> list[str]:
     device = torch.device(device_name)
     props = torch.cuda.get_device_properties(device)
     dtype = torch.bfloat16
-    print(f"[2/4] decode micro-benchmark on {props.name}", flush=True)
+    print(f"[2/5] decode micro-benchmark on {props.name}", flush=True)
     copy_bw = copy_bandwidth()
     lines = [
         f"# gpu_check: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -222,7 +234,7 @@ def engine_benchmark(num_prompts: int = 64, max_tokens: int = 128) -> list[str]:
 
     from pagedlab import LLM, SamplingParams
 
-    print(f"[3/4] engine: {num_prompts} prompts x {max_tokens} tokens, CUDA graphs on/off, HF generate", flush=True)
+    print(f"[3/5] engine: {num_prompts} prompts x {max_tokens} tokens, CUDA graphs on/off, HF generate", flush=True)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm = LLM(dtype="bfloat16", device="cuda", max_num_seqs=num_prompts)
     model, tokenizer = llm.llm_engine.model, llm.get_tokenizer()
@@ -278,6 +290,25 @@ def engine_benchmark(num_prompts: int = 64, max_tokens: int = 128) -> list[str]:
     return lines
 
 
+def compiled_check(rounds: int = 2) -> list[str]:
+    """The compiled-forward lever on this GPU (scripts/compile_lever.py, in a subprocess: it patches the engine's
+    forward for its run). Its summary lines, or one line saying how it failed; never fails the check."""
+    print(f"[4/5] compiled forward: scripts/compile_lever.py --device cuda, {rounds} rounds", flush=True)
+    command = [sys.executable, str(ROOT / "scripts" / "compile_lever.py"), "--device", "cuda", "--dtype", "bfloat16",
+               "--rounds", str(rounds)]
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        lines = ["", f"# compiled forward: failed (exit status {result.returncode}): {tail[0]}"]
+    else:
+        summary = result.stdout.strip().splitlines()[-4:]  # the header, the two medians, the token count
+        lines = ["", f"# compiled forward: {summary[0]}", *summary[1:]]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def parallel_check(num_prompts: int = 16, max_tokens: int = 32) -> list[str]:
     """SmolLM2 over NCCL: two pipeline stages (one batch in flight and two) and three tensor-parallel ranks, each
     checked against one process; skipped (one line saying so) with fewer than two GPUs."""
@@ -290,7 +321,7 @@ def parallel_check(num_prompts: int = 16, max_tokens: int = 32) -> list[str]:
     count = torch.cuda.device_count()
     if count < 2:
         return ["", f"# parallel: skipped, {count} GPU (pipeline and tensor parallelism need 2 or more)"]
-    print(f"[4/4] parallel: {num_prompts} prompts x {max_tokens} tokens over NCCL on {count} GPUs", flush=True)
+    print(f"[5/5] parallel: {num_prompts} prompts x {max_tokens} tokens over NCCL on {count} GPUs", flush=True)
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": [rng.randrange(49152) for _ in range(rng.randint(20, 400))]}
                for _ in range(num_prompts)]
@@ -347,6 +378,7 @@ def main() -> int:
     if not args.skip_bench:
         lines = benchmark()
         lines += engine_benchmark()
+        lines += compiled_check()
         lines += parallel_check()
         args.output.write_text("\n".join(lines) + "\n")
         print(f"table written to {args.output}", flush=True)

@@ -277,3 +277,13 @@ def test_gpu_check_runs_test_files_that_exist():
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     assert gpu_check.KERNEL_TESTS.is_file(), gpu_check.KERNEL_TESTS
+
+
+def test_gpu_check_compiled_step_runs_a_script_that_takes_its_arguments():
+    """Step 4 of `make gpu-check` runs scripts/compile_lever.py on the GPU: the script must take the arguments it
+    is given there."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_lever.py"), "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--device {cpu,cuda}", "--dtype {float32,bfloat16}", "--rounds"):
+        assert option in result.stdout, option
