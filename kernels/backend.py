@@ -19,22 +19,6 @@ from .paged_prefill import paged_prefill
 from .store_kv import store_kv
 
 
-def prefill_tensors(prefills, device: torch.device):
-    """The dense kernel inputs of a list of `PrefillChunk`s: (query_start_loc [n+1], num_context [n],
-    block_tables [n, max_blocks] padded with block 0, longest chunk). Chunks must be back to back."""
-    for before, after in zip(prefills, prefills[1:]):
-        if before.end != after.start:
-            raise ValueError(f"prefill chunks must be back to back: one ends at row {before.end}, "
-                             f"the next starts at row {after.start}")
-    query_start_loc = torch.tensor([c.start for c in prefills] + [prefills[-1].end], dtype=torch.int32)
-    num_context = torch.tensor([c.num_context for c in prefills], dtype=torch.int32)
-    block_tables = torch.nn.utils.rnn.pad_sequence(
-        [c.block_ids.to(device=device, dtype=torch.int32) for c in prefills], batch_first=True, padding_value=0
-    )
-    max_num_new = max(c.end - c.start for c in prefills)
-    return query_start_loc.to(device), num_context.to(device), block_tables, max_num_new
-
-
 def triton_attention(
     q: torch.Tensor,  # [num_tokens, q_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -64,9 +48,11 @@ def triton_attention(
             workspace=workspace, kv_scales=kv_scales,
         )
     if metadata.prefills:
-        inputs = workspace.get("prefill")  # built once per step, not once per layer
+        inputs = workspace.get("prefill")  # the step's dense chunk tensors as int32, once per step, not per layer
         if inputs is None:
-            inputs = workspace["prefill"] = prefill_tensors(metadata.prefills, q.device)
+            tensors = metadata.prefill_tensors(q.device)
+            inputs = workspace["prefill"] = (as_index(tensors.query_start_loc), as_index(tensors.num_context),
+                                             as_index(tensors.block_tables), tensors.max_num_new)
         query_start_loc, num_context, block_tables, max_num_new = inputs
         paged_prefill(
             q, key_cache, value_cache, query_start_loc, num_context, block_tables, scale, sliding_window,

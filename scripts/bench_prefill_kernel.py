@@ -23,7 +23,7 @@ import torch
 
 from pagedlab.bench.report import cpu_model
 from pagedlab.worker import cpu_attention
-from pagedlab.worker.attention import PrefillChunk, prefill_attention
+from pagedlab.worker.attention import PrefillChunk, PrefillTensors, prefill_attention
 
 CALLS = {  # name: (cached tokens, new tokens) per chunk
     "21 x 70 new after 400 cached": [(400, 70)] * 21,
@@ -61,7 +61,7 @@ def _one_shape(shape: list[tuple[int, int]], dtype: torch.dtype, rounds: int) ->
     key = torch.randn(row, kv_heads, head_dim, generator=generator).to(dtype)
     value = torch.randn(key.shape, generator=generator).to(dtype)
     out = torch.empty_like(query)
-    inputs = cpu_attention.PrefillInputs.build(chunks)
+    inputs = PrefillTensors.build(chunks)
 
     def torch_path():
         for c in chunks:

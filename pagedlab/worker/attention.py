@@ -58,6 +58,32 @@ class PrefillChunk:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class PrefillTensors:
+    """A step's prefill chunks as dense int64 tensors, the form both kernel backends take (the C++ prefill kernel on
+    CPU, Triton's on a GPU): chunk i's new tokens are rows [query_start_loc[i], query_start_loc[i + 1]) of the flat
+    batch, after num_context[i] cached tokens, in the blocks of block_tables[i] (padded with block 0)."""
+
+    query_start_loc: torch.Tensor  # [num_chunks + 1]
+    num_context: torch.Tensor  # [num_chunks]
+    block_tables: torch.Tensor  # [num_chunks, max_blocks]
+    max_num_new: int  # the longest chunk's new tokens
+
+    @classmethod
+    def build(cls, chunks: list[PrefillChunk], device: torch.device | None = None) -> PrefillTensors:
+        """From chunks that lie back to back in the flat batch (as the model runner lays them out)."""
+        for before, after in zip(chunks, chunks[1:]):
+            if before.end != after.start:
+                raise ValueError(f"prefill chunks must be back to back: one ends at row {before.end}, "
+                                 f"the next starts at row {after.start}")
+        device = device if device is not None else chunks[0].block_ids.device
+        query_start_loc = torch.tensor([c.start for c in chunks] + [chunks[-1].end], dtype=torch.long, device=device)
+        num_context = torch.tensor([c.num_context for c in chunks], dtype=torch.long, device=device)
+        block_tables = torch.nn.utils.rnn.pad_sequence(
+            [c.block_ids.to(device=device, dtype=torch.long) for c in chunks], batch_first=True, padding_value=0)
+        return cls(query_start_loc, num_context, block_tables, max(c.num_new for c in chunks))
+
+
 @dataclass
 class DecodeBucket:
     """Decode rows [start, end) of similar context length, attended together in one padded call."""
@@ -85,12 +111,12 @@ class AttentionMetadata:
         self._masks.clear()
         self.kernel_inputs.clear()
 
-    def prefill_kernel_inputs(self) -> cpu_attention.PrefillInputs:
-        """The prefill chunks as the C++ prefill kernel takes them (built on the first layer, then reused)."""
-        inputs = self.kernel_inputs.get("cpu_prefill")
-        if inputs is None:
-            inputs = self.kernel_inputs["cpu_prefill"] = cpu_attention.PrefillInputs.build(self.prefills)
-        return inputs
+    def prefill_tensors(self, device: torch.device) -> PrefillTensors:
+        """The prefill chunks as the kernels take them (built on the first layer that asks, then reused)."""
+        tensors = self.kernel_inputs.get("prefill_tensors")
+        if tensors is None:
+            tensors = self.kernel_inputs["prefill_tensors"] = PrefillTensors.build(self.prefills, device)
+        return tensors
 
     def decode_buckets(self, block_size: int, sliding_window: int | None) -> list[DecodeBucket]:
         """The decodes split into length buckets (built on the first layer that asks, then reused)."""
@@ -319,7 +345,7 @@ def paged_attention_forward(
         kernel = cpu_attention.kernel() if cpu_attention.supports_prefill(q, key_cache) else None
         if kernel is not None:  # every chunk in one call, the blocks read in place, no gather, no mask
             scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-            cpu_attention.paged_prefill_cpu(q, key_cache, value_cache, metadata.prefill_kernel_inputs(), scale,
+            cpu_attention.paged_prefill_cpu(q, key_cache, value_cache, metadata.prefill_tensors(q.device), scale,
                                             sliding_window, out, kernel)
         else:
             for chunk in metadata.prefills:

@@ -28,7 +28,6 @@ import platform
 import sysconfig
 import time
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # attention.py imports this module
-    from pagedlab.worker.attention import PrefillChunk
+    from pagedlab.worker.attention import PrefillTensors
 
 logger = logging.getLogger("pagedlab")
 
@@ -226,29 +225,11 @@ def supports_prefill(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
             and query.shape[1] // key_cache.shape[2] <= PREFILL_MAX_GROUP)
 
 
-@dataclass(frozen=True)
-class PrefillInputs:
-    """A step's prefill chunks as the kernel takes them: per chunk its block table (padded with block 0), its
-    first row in the flat batch, its cached tokens and its new ones (int64)."""
-
-    block_tables: torch.Tensor  # [num_chunks, max_blocks]
-    query_starts: torch.Tensor  # [num_chunks]
-    context_lens: torch.Tensor
-    query_lens: torch.Tensor
-
-    @classmethod
-    def build(cls, chunks: Sequence[PrefillChunk]) -> PrefillInputs:
-        tables = torch.nn.utils.rnn.pad_sequence([c.block_ids.to(torch.long) for c in chunks], batch_first=True)
-        starts, contexts, lens = (torch.tensor(column, dtype=torch.long)
-                                  for column in zip(*((c.start, c.num_context, c.num_new) for c in chunks)))
-        return cls(tables, starts, contexts, lens)
-
-
 def paged_prefill_cpu(
     query: torch.Tensor,  # [num_tokens, q_heads, head_dim]: the flat batch (decodes' rows are left alone)
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], the chunks' new K and V written
     value_cache: torch.Tensor,
-    inputs: PrefillInputs,
+    inputs: PrefillTensors,
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
@@ -259,8 +240,8 @@ def paged_prefill_cpu(
     module = module or kernel()
     if module is None:
         raise RuntimeError("the C++ CPU attention kernel is not available (see the warning from its build)")
-    module.paged_prefill(out, query, key_cache, value_cache, inputs.block_tables, inputs.query_starts,
-                         inputs.context_lens, inputs.query_lens, float(scale), int(sliding_window or 0))
+    module.paged_prefill(out, query, key_cache, value_cache, inputs.block_tables, inputs.query_start_loc,
+                         inputs.num_context, float(scale), int(sliding_window or 0))
     return out
 
 

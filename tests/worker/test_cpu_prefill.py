@@ -5,11 +5,13 @@ and without cached context, of one token (a decode-like chunk) to several tiles,
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pagedlab.worker import cpu_attention
-from pagedlab.worker.attention import PrefillChunk, prefill_attention
+from pagedlab.worker.attention import PrefillChunk, PrefillTensors, prefill_attention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -52,7 +54,7 @@ def test_kernel_equals_reference(kernel, dtype, sliding_window, block_size, q_he
     query, key_cache, value_cache, chunks = _case(block_size, q_heads, kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     out = torch.full(query.shape, 7.0, dtype=dtype)
-    inputs = cpu_attention.PrefillInputs.build(chunks)
+    inputs = PrefillTensors.build(chunks)
     cpu_attention.paged_prefill_cpu(query, key_cache, value_cache, inputs, scale, sliding_window, out, kernel)
     assert (out[:NUM_DECODE_ROWS] == 7.0).all()
     for chunk in chunks:
@@ -73,12 +75,24 @@ def test_what_it_does_not_take_goes_to_the_torch_path():
 
 def test_bad_shapes_are_refused(kernel):
     query, key_cache, value_cache, chunks = _case(16, 9, 3, 64, torch.float32)
-    inputs = cpu_attention.PrefillInputs.build(chunks)
+    inputs = PrefillTensors.build(chunks)
     with pytest.raises(RuntimeError, match="head shapes"):
         cpu_attention.paged_prefill_cpu(query[:, :8], key_cache, value_cache, inputs, 0.1, None,
                                         torch.empty(query[:, :8].shape), kernel)
     with pytest.raises(RuntimeError, match="int64"):
-        bad = cpu_attention.PrefillInputs(inputs.block_tables.int(), inputs.query_starts, inputs.context_lens,
-                                          inputs.query_lens)
+        bad = dataclasses.replace(inputs, block_tables=inputs.block_tables.int())
         cpu_attention.paged_prefill_cpu(query, key_cache, value_cache, bad, 0.1, None, torch.empty(query.shape),
                                         kernel)
+    with pytest.raises(RuntimeError, match="one entry per chunk"):
+        bad = dataclasses.replace(inputs, query_start_loc=inputs.query_start_loc[:-1])
+        cpu_attention.paged_prefill_cpu(query, key_cache, value_cache, bad, 0.1, None, torch.empty(query.shape),
+                                        kernel)
+
+
+def test_prefill_tensors_need_chunks_back_to_back():
+    chunks = [PrefillChunk(0, 3, 0, torch.tensor([1])), PrefillChunk(4, 6, 0, torch.tensor([2]))]
+    with pytest.raises(ValueError, match="back to back"):
+        PrefillTensors.build(chunks)
+    tensors = PrefillTensors.build([chunks[0], PrefillChunk(3, 5, 16, torch.tensor([2, 3]))])
+    assert tensors.query_start_loc.tolist() == [0, 3, 5] and tensors.num_context.tolist() == [0, 16]
+    assert tensors.block_tables.tolist() == [[1, 0], [2, 3]] and tensors.max_num_new == 3

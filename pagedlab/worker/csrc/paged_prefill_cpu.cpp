@@ -1,10 +1,13 @@
 // Prefill attention over a paged KV cache on CPU: every new token of every prefill chunk of a step, causal among
 // themselves, after the chunk's cached context, the blocks read where they lie (no gather, no mask tensor).
 //
-// paged_prefill(out, query, key_cache, value_cache, block_tables, query_starts, context_lens, query_lens, scale,
+// paged_prefill(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
 //               sliding_window)
 //   query, out:      [num_tokens, q_heads, head_dim] (the flat batch; any row and head strides)
-//   block_tables:    [num_chunks, max_blocks] int64; per chunk, int64: its first row, cached tokens, new tokens
+//   block_tables:    [num_chunks, max_blocks] int64
+//   query_start_loc: [num_chunks + 1] int64: chunk c's new tokens are rows [query_start_loc[c], query_start_loc[c + 1])
+//   context_lens:    [num_chunks] int64: chunk c's tokens cached before them
+//   (attention.PrefillTensors, which the Triton prefill kernel takes too.)
 //   The new tokens' K and V are already in the cache (written before attention, as for a decode).
 //
 // One work item is a chunk's KV head and a tile of up to 48 / group of its rows: the tile's query vectors (rows x
@@ -185,19 +188,20 @@ constexpr int64_t kTileVectors = 48;  // query vectors (rows x query heads of on
 
 template <int64_t kHeadDim, typename scalar_t>
 void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                 const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& context_lens,
-                 const at::Tensor& query_lens, float scale, int64_t window) {
+                 const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                 float scale, int64_t window) {
   const int64_t num_chunks = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = query.size(1) / num_kv_heads, rows_per_tile = std::max<int64_t>(1, kTileVectors / group);
-  const auto* starts = query_starts.data_ptr<int64_t>();
+  const auto* starts = query_start_loc.data_ptr<int64_t>();
   const auto* contexts = context_lens.data_ptr<int64_t>();
-  const auto* lens = query_lens.data_ptr<int64_t>();
   struct Item { int64_t chunk, kv_head, row0, num_rows; };
   std::vector<Item> items;
-  for (int64_t c = 0; c < num_chunks; ++c)
-    for (int64_t row0 = 0; row0 < lens[c]; row0 += rows_per_tile)
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, h, row0, std::min(rows_per_tile, lens[c] - row0)});
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t num_new = starts[c + 1] - starts[c];
+    for (int64_t row0 = 0; row0 < num_new; row0 += rows_per_tile)
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, h, row0, std::min(rows_per_tile, num_new - row0)});
+  }
   // the tiles that see the most keys first, so that dynamic scheduling ends the threads together
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return contexts[a.chunk] + a.row0 + a.num_rows > contexts[b.chunk] + b.row0 + b.num_rows;
@@ -221,15 +225,15 @@ void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
 template <typename scalar_t>
 void run_prefill_any(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& query_starts,
-                     const at::Tensor& context_lens, const at::Tensor& query_lens, float scale, int64_t window) {
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens, float scale, int64_t window) {
   switch (query.size(2)) {
-    case 64: return run_prefill<64, scalar_t>(out, query, key_cache, value_cache, block_tables, query_starts,
-                                              context_lens, query_lens, scale, window);
-    case 80: return run_prefill<80, scalar_t>(out, query, key_cache, value_cache, block_tables, query_starts,
-                                              context_lens, query_lens, scale, window);
-    case 128: return run_prefill<128, scalar_t>(out, query, key_cache, value_cache, block_tables, query_starts,
-                                                context_lens, query_lens, scale, window);
+    case 64: return run_prefill<64, scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                              context_lens, scale, window);
+    case 80: return run_prefill<80, scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                              context_lens, scale, window);
+    case 128: return run_prefill<128, scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                                context_lens, scale, window);
     default: TORCH_CHECK(false, "paged_prefill: head_dim 64, 80 or 128 only, got ", query.size(2));
   }
 }
@@ -237,15 +241,17 @@ void run_prefill_any(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 }  // namespace
 
 void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                   at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, at::Tensor query_lens,
-                   double scale, int64_t sliding_window) {
+                   at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor context_lens, double scale,
+                   int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_tokens, q_heads, head_dim]");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key/value cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous in query and out");
-  for (const auto* t : {&block_tables, &query_starts, &context_lens, &query_lens})
+  for (const auto* t : {&block_tables, &query_start_loc, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "block tables and lengths must be int64");
+  TORCH_CHECK(query_start_loc.numel() == block_tables.size(0) + 1 && context_lens.numel() == block_tables.size(0),
+              "query_start_loc must have one entry per chunk and one more, context_lens one per chunk");
   TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
               "head shapes do not match");
   TORCH_CHECK(query.size(1) / key_cache.size(2) <= kTileVectors, "paged_prefill: at most 48 query heads a KV head");
@@ -254,13 +260,12 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::T
               "query, out and the caches must share one dtype");
   const float s = static_cast<float>(scale);
   switch (dtype) {
-    case at::kFloat: return run_prefill_any<float>(out, query, key_cache, value_cache, block_tables, query_starts,
-                                                   context_lens, query_lens, s, sliding_window);
+    case at::kFloat: return run_prefill_any<float>(out, query, key_cache, value_cache, block_tables,
+                                                   query_start_loc, context_lens, s, sliding_window);
     case at::kBFloat16: return run_prefill_any<c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
-                                                              query_starts, context_lens, query_lens, s,
-                                                              sliding_window);
-    case at::kHalf: return run_prefill_any<c10::Half>(out, query, key_cache, value_cache, block_tables, query_starts,
-                                                      context_lens, query_lens, s, sliding_window);
+                                                              query_start_loc, context_lens, s, sliding_window);
+    case at::kHalf: return run_prefill_any<c10::Half>(out, query, key_cache, value_cache, block_tables,
+                                                      query_start_loc, context_lens, s, sliding_window);
     default: TORCH_CHECK(false, "paged_prefill: float32, bfloat16 or float16 only, got ", dtype);
   }
 }
