@@ -5,13 +5,6 @@ tokens equal Hugging Face's with them."""
 
 from __future__ import annotations
 
-import os
-import platform
-import re
-import shutil
-import subprocess
-import sysconfig
-
 import pytest
 import torch
 from torch import nn
@@ -207,23 +200,3 @@ def test_greedy_tokens_with_fused_modules_equal_hugging_face(family, linear_back
 def test_cpu_fused_ops_false_runs_the_modules_own_forward():
     engine = LLMEngine(tiny_model("llama"), None, EngineConfig(block_size=4, num_kv_blocks=16, cpu_fused_ops=False))
     assert engine.worker.model_runner.fused is None
-
-
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
-                    reason="gcc's vectorisation report, on x86")
-def test_the_silu_loop_compiles_to_vector_code():
-    """The fused SiLU is only worth having as a vector loop: the scalar one (a union in its exp kept gcc from
-    vectorising it) ran 10x slower than torch's own SiLU and multiply. gcc reports each loop it vectorised."""
-    from torch.utils import cpp_extension
-
-    source = cpu_attention.FUSED_SOURCE
-    lines = source.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if "void silu_and_mul_rows" in line)
-    silu_loop = next(i for i in range(start, len(lines)) if "i < inter" in lines[i]) + 1
-    includes = [f"-I{path}" for path in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    report = subprocess.run(
-        ["g++", "-std=c++17", *cpu_attention.compiler_flags(), *includes, "-fopt-info-vec-optimized", "-c",
-         str(source), "-o", os.devnull], capture_output=True, text=True, check=True).stderr
-    pattern = rf"{re.escape(source.name)}:(\d+):\d+: optimized: loop vectorized"
-    vectorised = {int(m) for m in re.findall(pattern, report)}
-    assert silu_loop in vectorised, f"the SiLU loop (line {silu_loop}) is not vectorised: {sorted(vectorised)}"

@@ -26,34 +26,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_vector.h"
+
 namespace {
+
+using pagedlab_cpu::exp_approx;
 
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }
-
-// exp(x) for the SiLU, in a form the compiler vectorises (std::exp stays a scalar call without -ffast-math):
-// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7, about
-// one float ulp), times 2^n built from the exponent bits. Below -87 it is exp(-87) (against 1 in the SiLU's
-// 1 + exp(-g), nothing), above 88.7 infinity (float's own overflow, so that silu(-huge) is -0, as torch's).
-inline float exp_approx(float x) {
-  const float overflow = x > 88.72f ? INFINITY : 1.0f;  // a factor, not a branch: the loop stays one of vectors
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float t = x * 1.44269504088896341f;
-  const int32_t k = static_cast<int32_t>(t + (t < 0.0f ? -0.5f : 0.5f));  // nearest integer
-  const float n = static_cast<float>(k);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // the high part exact in float
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (k + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);  // a union here keeps gcc from vectorising the loop (2026-12-04)
-  return p * scale * overflow;
-}
 
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden, int64_t out_stride,

@@ -131,7 +131,7 @@ void prefill_tile(scalar_t* out, int64_t out_row_stride, int64_t out_head_stride
 #pragma omp simd
     for (int64_t j = 0; j < kW; ++j) {
       const float safe = base[j] == -INFINITY ? 0.0f : base[j];  // a vector that sees no key yet
-      alpha[j] = m[j] == -INFINITY ? 0.0f : exp_nonpositive(m[j] - safe);
+      alpha[j] = m[j] == -INFINITY ? 0.0f : exp_approx(m[j] - safe);
       m[j] = base[j];
       base[j] = safe;
       total[j] = 0.0f;
@@ -140,7 +140,7 @@ void prefill_tile(scalar_t* out, int64_t out_row_stride, int64_t out_head_stride
       float* si = s + i * kW;
 #pragma omp simd
       for (int64_t j = 0; j < kW; ++j) {
-        si[j] = si[j] == -INFINITY ? 0.0f : exp_nonpositive(si[j] - base[j]);
+        si[j] = si[j] == -INFINITY ? 0.0f : exp_approx(si[j] - base[j]);
         total[j] += si[j];
       }
     }
