@@ -15,14 +15,16 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedlab.async_llm")
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -146,7 +148,8 @@ class RequestStream:
 
 
 def engine_thread() -> ThreadPoolExecutor:
-    """The one thread an `AsyncLLM` makes every engine call on. Build the engine on it too:
+    """The one thread an `AsyncLLM` makes every engine call on. Build the engine on it too
+    (`build_on_engine_thread` does both):
 
         executor = engine_thread()
         engine = executor.submit(LLMEngine.from_pretrained, "smollm2").result()
@@ -157,6 +160,17 @@ def engine_thread() -> ThreadPoolExecutor:
     small machine, and libgomp then stops spinning at its barriers, so each of the step's hundreds of parallel
     regions waits for threads to wake (a decode step about 15% slower on 2 cores)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlab-engine")
+
+
+def build_on_engine_thread(build: Callable[..., T], *args, **kwargs) -> tuple[T, ThreadPoolExecutor]:
+    """`build(*args, **kwargs)` (an engine: `LLMEngine.from_pretrained`, `LLMEngine`) run on a new
+    `engine_thread()`; returns it and that thread, for `AsyncLLM(engine, executor=...)` or `build_app`."""
+    executor = engine_thread()
+    try:
+        return executor.submit(build, *args, **kwargs).result(), executor
+    except BaseException:
+        executor.shutdown(wait=False)
+        raise
 
 
 class AsyncLLM:

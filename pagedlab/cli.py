@@ -109,7 +109,7 @@ def _serve(args) -> int:
     import os
     import signal
 
-    from pagedlab.async_llm import engine_thread
+    from pagedlab.async_llm import build_on_engine_thread
     from pagedlab.engine import LLMEngine
     from pagedlab.entrypoints.openai.api_server import bind_socket, build_app, run_server
 
@@ -119,9 +119,8 @@ def _serve(args) -> int:
     api_key = args.api_key or os.environ.get("PAGEDLAB_API_KEY") or None
     # A server runs for days: it keeps no record of every step (record_trace is for the chapters). The model is
     # loaded on the thread that will step it (`engine_thread` says why).
-    executor = engine_thread()
-    engine = executor.submit(LLMEngine.from_pretrained, model, dtype=args.dtype, device=args.device,
-                             record_trace=False, **_engine_kwargs(args)).result()
+    engine, executor = build_on_engine_thread(LLMEngine.from_pretrained, model, dtype=args.dtype, device=args.device,
+                                              record_trace=False, **_engine_kwargs(args))
     name = args.served_model_name or model or "smollm2-135m-instruct"
     app = build_app(engine, name, api_key, executor)
     sock = bind_socket(args.host, args.port)  # port 0: a free one, printed below

@@ -127,12 +127,15 @@ def local_server(model, tokenizer, engine_options: dict, model_source: str | Non
     if not in_thread:
         yield from _child_server(model, model_source, engine_options, threads, timeout)
         return
+    from pagedlab.async_llm import build_on_engine_thread
     from pagedlab.bench.systems import engine_config
     from pagedlab.engine import LLMEngine
     from pagedlab.entrypoints.openai.api_server import ServerThread, build_app
 
-    engine = LLMEngine(model, tokenizer, engine_config(**{**engine_options, "record_trace": False}))
-    with ServerThread(build_app(engine, "local")) as server:
+    # built on the thread that steps it, as `pagedlab serve` does (`engine_thread` says why)
+    engine, executor = build_on_engine_thread(LLMEngine, model, tokenizer,
+                                              engine_config(**{**engine_options, "record_trace": False}))
+    with ServerThread(build_app(engine, "local", executor=executor)) as server:
         yield server.url
 
 

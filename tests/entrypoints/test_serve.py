@@ -369,3 +369,33 @@ def test_pagedlab_serve_builds_its_engine_on_the_thread_that_steps_it(monkeypatc
     assert cli.main(["serve", "--port", "0"]) == 0
     assert len(threads["built"]) == 1 and threads["stepped"] == threads["built"]
     assert threads["built"] != {threading.get_ident()}
+
+
+def test_local_server_in_thread_builds_its_engine_on_the_thread_that_steps_it(monkeypatch):
+    """The benchmark's in-thread server (a model built in Python: tests, notebooks) follows the same rule as
+    `pagedlab serve` (above): one thread builds the engine and makes every step."""
+    import threading
+
+    from pagedlab.bench.http_client import local_server
+    from tests.helpers import ChatByteTokenizer
+
+    threads = {"built": set(), "stepped": set()}
+    init, step = LLMEngine.__init__, LLMEngine.step
+
+    def recorded_init(self, *args, **kwargs):
+        threads["built"].add(threading.get_ident())
+        init(self, *args, **kwargs)
+
+    def recorded_step(self):
+        threads["stepped"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recorded_init)
+    monkeypatch.setattr(LLMEngine, "step", recorded_step)
+    options = dict(preemption_mode="recompute", num_kv_blocks=64, max_num_seqs=4)
+    with local_server(tiny_model(), ChatByteTokenizer(), options, in_thread=True) as url:
+        response = httpx.post(f"{url}/v1/completions", timeout=60,
+                              json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+    assert len(threads["built"]) == 1 and threads["stepped"] == threads["built"]
+    assert threads["built"] != {threading.get_ident()}
