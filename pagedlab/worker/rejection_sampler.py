@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlab.core.sched_output import SamplingRequest
-from pagedlab.worker.sampler import Sampler, apply_logit_bias, filtered_probs, logprob_entries
+from pagedlab.worker.sampler import Sampler, apply_logit_bias, argmax, filtered_probs, logprob_entries
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def verify(
         for start, (drafts, target) in zip(starts, rows):
             for i in range(min(target.num_banned_positions, len(drafts) + 1) if target.banned_token_ids else 0):
                 logits[start + i, list(target.banned_token_ids)] = -float("inf")
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = argmax(logits).tolist()
     random = [j for j, (_, target) in enumerate(rows) if not target.params.greedy]
     probs = {}
     if random:
@@ -73,7 +73,7 @@ def verify(
                 token = greedy[start + i]
             else:  # the sampler's draw: argmax p / E, E ~ Exp(1) from the sequence's generator
                 noise = torch.empty_like(probs[start + i]).exponential_(generator=generator)
-                token = int((probs[start + i] / noise).argmax())
+                token = int(argmax(probs[start + i] / noise))
             if i == len(drafts) or token != drafts[i]:
                 break
             accepted += 1

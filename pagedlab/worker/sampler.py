@@ -22,6 +22,13 @@ from pagedlab.core.sched_output import SamplingRequest
 from pagedlab.sampling_params import SamplingParams
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)`: the index of the first maximum of each row (NaN counting as the largest), computed as
+    `x.max(dim=-1).indices`, which gives the same indices and whose CPU kernel is the faster: 32 rows of 49,152
+    float32 logits 0.9 against 2.5 ms on one thread (README, the levers table)."""
+    return x.max(dim=-1).indices
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: list[int]
@@ -67,7 +74,7 @@ class Sampler:
         if banned:
             for i in banned:
                 logits[i, list(rows[i].banned_token_ids)] = -float("inf")
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax(logits)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
@@ -75,7 +82,7 @@ class Sampler:
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
                 noise[j].exponential_(generator=self.generator_for(rows[i]))
-            token_ids[index] = (probs / noise).argmax(dim=-1)
+            token_ids[index] = argmax(probs / noise)
         token_list = token_ids.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         for j, i in enumerate(asked):
