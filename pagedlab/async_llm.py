@@ -148,11 +148,9 @@ class RequestStream:
 
 
 def engine_thread() -> ThreadPoolExecutor:
-    """The one thread an `AsyncLLM` makes every engine call on. Build the engine on it too
-    (`build_on_engine_thread` does both):
+    """The one thread an `AsyncLLM` makes every engine call on. Build the engine on it too:
 
-        executor = engine_thread()
-        engine = executor.submit(LLMEngine.from_pretrained, "smollm2").result()
+        engine, executor = build_on_engine_thread(LLMEngine.from_pretrained, "smollm2")
         async_llm = AsyncLLM(engine, executor=executor)
 
     OpenMP keeps a team of threads for each thread that has run a parallel region. A model loaded (and its KV
