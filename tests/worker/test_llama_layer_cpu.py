@@ -130,3 +130,25 @@ def test_a_weight_changed_or_replaced_between_calls_is_the_one_computed_with():
     taken.clear()
     assert _logprobs(one_call, PROMPTS) == _logprobs(python, PROMPTS)
     assert any(taken)
+
+
+def test_a_hook_added_or_removed_between_calls_is_seen():
+    """The layers' plans are checked once a step, all together (`_LayerPlans.holds`): a hook that arrives after
+    they were made, or leaves, changes which layers take the one call from the next step on."""
+    model = tiny_model("llama")
+    engine, taken = _engine(model, True)
+    expected, _ = _engine(tiny_model("llama"), False)
+    reference = _logprobs(expected, PROMPTS[:2], 6)
+    assert _logprobs(engine, PROMPTS[:2], 6) == reference and all(taken[-2:])  # plans made, no hooks
+    calls = []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
+    taken.clear()
+    assert _logprobs(engine, PROMPTS[:2], 6) == reference
+    layers = model.config.num_hidden_layers
+    steps = len(taken) // layers  # the prefill's, then the decode steps'
+    assert steps > 1 and len(calls) == steps, "the hook ran on every step"
+    assert taken[1::layers] == [False] * steps, "layer 1 kept the Python path"
+    assert taken[layers::layers] == [True] * (steps - 1), "layer 0 took the one call on every decode step"
+    handle.remove()
+    taken.clear()
+    assert _logprobs(engine, PROMPTS[:2], 6) == reference and all(taken[layers:]), "every decode step one call again"
