@@ -47,6 +47,7 @@ import functools
 import inspect
 import operator
 import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -156,9 +157,10 @@ class _LayerPlans:
     versions: list[int]  # and that weight's version counter then
     modules: list[nn.Module]  # every module in the planned layers
     hooked: bool  # a hook on any of them (then each layer is checked on its own)
+    complete: bool  # every layer planned (a layer that was not is tried again each step, as before the pass)
 
     def holds(self) -> bool:
-        return (all(map(operator.is_, map(operator.itemgetter("weight"), self.owners), self.weights))
+        return (self.complete and all(map(operator.is_, map(operator.itemgetter("weight"), self.owners), self.weights))
                 and list(map(_VERSION, self.weights)) == self.versions
                 and self.hooked == _hooked(self.modules))
 
@@ -281,7 +283,8 @@ class FusedModules:
         modules = [m for plan in layers.values() if plan is not None for m in plan.modules]
         self._all_plans = plans = _LayerPlans(
             layers, kv_cache, [c.unbind() for c in kv_cache], [m._parameters for m, _, _ in checks],
-            [w for _, w, _ in checks], [v for _, _, v in checks], modules, _hooked(modules))
+            [w for _, w, _ in checks], [v for _, _, v in checks], modules, _hooked(modules),
+            all(plan is not None for plan in layers.values()))
         return plans
 
     def _layer_plan(self, layer: nn.Module, linears: cpu_linear.PackedLinears) -> _LayerPlan | None:
@@ -358,7 +361,7 @@ class _DecodeStep:
     layers: dict[nn.Module, tuple]
 
 
-def _hooked(modules) -> bool:
+def _hooked(modules: Iterable[nn.Module]) -> bool:
     """Whether a module's own forward hook would run on any of these (the global ones: `_decode_step`)."""
     return any(map(_FORWARD_HOOKS, modules)) or any(map(_FORWARD_PRE_HOOKS, modules))
 
